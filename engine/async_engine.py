@@ -1,0 +1,179 @@
+"""OpusLM on vLLM's AsyncLLM: submit AudioRequests, receive their 9-stream steps as produced.
+
+This is the layer below the gateway's Engine (engine/service.py): it knows vLLM and the plugin,
+nothing about conversations. Steps leave vLLM every engine step (DELTA outputs); the 8 aux ids of
+each step travel in the per-token `sampling_mask` (see vllm_plugin/scheduler.py), which vLLM
+concatenates when a slow consumer lets outputs pile up, so no step is ever lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engine import vocab
+from engine.checkpoint import load_config
+from engine.delay import FrameAssembler
+from engine.request import AudioRequest
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """vLLM settings for serving OpusLM (every field has a YAML/CLI counterpart)."""
+
+    model: str
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_gib: float = 1.0  # CPU: VLLM_CPU_KVCACHE_SPACE; CUDA: kv_cache_memory_bytes
+    num_kv_blocks: int | None = None  # overrides the KV size (tests force preemption with it)
+    block_size: int | None = None
+    enforce_eager: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    dtype: str = "float32"
+    extra_engine_args: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepChunk:
+    """Steps [n, 9] of one request, in order, as they left vLLM (n > 1 if the consumer lagged)."""
+
+    first_step: int
+    steps: np.ndarray
+    finished: bool
+
+
+def _set_vllm_env(cfg: EngineConfig) -> None:
+    # The V1 runner is where our hooks live; the V2 runner has none of them.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cfg.kv_cache_gib)))))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def engine_args(cfg: EngineConfig):
+    """AsyncEngineArgs wiring the plugin's worker and scheduler into vLLM."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+
+    worker = "OpusCPUWorker" if current_platform.is_cpu() else "OpusGPUWorker"
+    model_cfg = load_config(cfg.model)
+    kwargs = dict(
+        model=str(Path(cfg.model).resolve()),
+        skip_tokenizer_init=True,
+        dtype=cfg.dtype,
+        enforce_eager=cfg.enforce_eager,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=cfg.max_model_len or model_cfg.max_position_embeddings,
+        seed=cfg.seed,
+        worker_cls=f"engine.vllm_plugin.runner.{worker}",
+        scheduler_cls="engine.vllm_plugin.scheduler.OpusScheduler",
+        # Prefix hashes cover stream 0 only; the aux streams differ under equal stream-0 ids.
+        enable_prefix_caching=False,
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        async_scheduling=False,  # the runner's hooks read each step's rows synchronously
+        disable_log_stats=True,
+    )
+    if cfg.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if cfg.num_kv_blocks:
+        kwargs["num_gpu_blocks_override"] = cfg.num_kv_blocks
+    if cfg.block_size:
+        kwargs["block_size"] = cfg.block_size
+    if not current_platform.is_cpu():
+        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
+    kwargs.update(cfg.extra_engine_args)
+    return AsyncEngineArgs(**kwargs)
+
+
+def sampling_params(request: AudioRequest):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    s = request.sampling
+    return SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k if s.top_k > 0 else -1,
+        top_p=s.top_p,
+        seed=s.seed,
+        max_tokens=request.max_steps,
+        stop_token_ids=[vocab.ENGINE_STOP],
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+        extra_args=request.extra_args(),
+    )
+
+
+class AsyncOpusEngine:
+    """vLLM AsyncLLM running OpusLM; many requests stream concurrently through one engine."""
+
+    def __init__(self, llm, cfg: EngineConfig) -> None:
+        self._llm = llm
+        self.cfg = cfg
+        self._ids = itertools.count()
+
+    @classmethod
+    async def start(cls, cfg: EngineConfig) -> "AsyncOpusEngine":
+        _set_vllm_env(cfg)
+        from engine.vllm_plugin import register
+
+        register()
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        llm = AsyncLLM.from_engine_args(engine_args(cfg))
+        return cls(llm, cfg)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def stream_steps(self, request: AudioRequest, request_id: str | None = None) -> AsyncIterator[StepChunk]:
+        """Yield the request's generated steps in order until the segment is complete.
+
+        Closing the iterator early aborts the request in vLLM.
+        """
+        rid = request_id or self.new_request_id()
+        prompt = {"prompt_token_ids": [int(t) for t in np.asarray(request.prompt)[:, 0]]}
+        num_steps = 0
+        async for out in self._llm.generate(prompt, sampling_params(request), rid):
+            comp = out.outputs[0]
+            toks = list(comp.token_ids)
+            aux = comp.sampling_mask.token_ids if comp.sampling_mask is not None else []
+            if len(aux) != len(toks) or any(len(a) != vocab.NUM_CODEBOOKS for a in aux):
+                raise RuntimeError(
+                    f"request {rid}: {len(toks)} stream-0 tokens arrived with {len(aux)} aux rows; "
+                    "the plugin's output path is broken (see engine/README.md)"
+                )
+            if toks:
+                steps = np.concatenate([np.asarray(toks, dtype=np.int64)[:, None], np.asarray(aux, dtype=np.int64)], axis=1)
+            else:
+                steps = np.empty((0, vocab.NUM_STREAMS), dtype=np.int64)
+            yield StepChunk(first_step=num_steps, steps=steps, finished=out.finished)
+            num_steps += len(toks)
+
+    async def generate_frames(self, request: AudioRequest, request_id: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Run a request to completion: (steps [S, 9], frames [F, 9])."""
+        assembler = FrameAssembler()
+        async for chunk in self.stream_steps(request, request_id):
+            for row in chunk.steps:
+                assembler.push(row)
+        steps = np.stack(assembler.steps) if assembler.steps else np.empty((0, vocab.NUM_STREAMS), np.int64)
+        return steps.astype(np.int64), assembler.frames()
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()
+
+    async def __aenter__(self) -> "AsyncOpusEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.shutdown()
+        await asyncio.sleep(0)

@@ -1,0 +1,153 @@
+"""A plain-PyTorch OpusLM: the correctness oracle for the vLLM plugin and the naive baseline.
+
+It loads the same checkpoint (engine/checkpoint.py), runs its own Llama backbone with a KV cache,
+and generates one request at a time with the same delay pattern, stream masks, sampling and
+stopping rule. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from engine import checkpoint, delay, heads, vocab
+from engine.request import AudioRequest
+from engine.sampling import sample_rows
+
+
+@dataclass
+class Generation:
+    """The result of one request: generated steps [S, 9] and the de-interleaved frames [F, 9]."""
+
+    steps: np.ndarray
+    frames: np.ndarray
+
+
+class _KVCache:
+    def __init__(self, num_layers: int) -> None:
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is not None:
+            k = torch.cat([self.k[layer], k], dim=0)
+            v = torch.cat([self.v[layer], v], dim=0)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+
+class ReferenceOpusLM:
+    def __init__(self, cfg: checkpoint.OpusLMConfig, weights: dict[str, torch.Tensor], device: str = "cpu"):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        missing = set(checkpoint.expected_weight_shapes(cfg)) - set(weights)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+        self.w = {k: v.to(self.device, torch.float32) for k, v in weights.items()}
+        d = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        self._inv_freq = inv_freq.to(self.device)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, device: str = "cpu") -> "ReferenceOpusLM":
+        cfg = checkpoint.load_config(model_dir)
+        return cls(cfg, load_file(str(checkpoint.weights_path(model_dir))), device)
+
+    # --- backbone ------------------------------------------------------------------------------
+
+    def embed(self, tokens: np.ndarray) -> torch.Tensor:
+        """[T, 9] global ids -> [T, H]: the sum of the 9 streams' embeddings."""
+        ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
+        return self.w["model.embed_tokens.weight"][ids].sum(dim=1)
+
+    def _rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + self.cfg.rms_norm_eps) * self.w[name]
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x [T, heads, d]; neox style (rotate halves), as HF Llama and vLLM do
+        freqs = positions[:, None].double() * self._inv_freq[None, :]
+        cos = freqs.cos().float()[:, None, :]
+        sin = freqs.sin().float()[:, None, :]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def forward(self, x: torch.Tensor, start_pos: int, cache: _KVCache) -> torch.Tensor:
+        """x [T, H] input embeddings at positions start_pos.. -> final hidden states [T, H]."""
+        cfg, w = self.cfg, self.w
+        t = x.shape[0]
+        positions = torch.arange(start_pos, start_pos + t, device=self.device)
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            hn = self._rms(x, p + "input_layernorm.weight")
+            q = F.linear(hn, w[p + "self_attn.q_proj.weight"]).view(t, nh, d)
+            k = F.linear(hn, w[p + "self_attn.k_proj.weight"]).view(t, nkv, d)
+            v = F.linear(hn, w[p + "self_attn.v_proj.weight"]).view(t, nkv, d)
+            q, k = self._rope(q, positions), self._rope(k, positions)
+            k_all, v_all = cache.append(i, k, v)  # [S, nkv, d]
+            rep = nh // nkv
+            k_all = k_all.repeat_interleave(rep, dim=1)
+            v_all = v_all.repeat_interleave(rep, dim=1)
+            s = k_all.shape[0]
+            scores = torch.einsum("thd,shd->hts", q, k_all) / math.sqrt(d)
+            causal = torch.arange(s, device=self.device)[None, :] <= positions[:, None]
+            scores = scores.masked_fill(~causal[None], float("-inf"))
+            attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v_all).reshape(t, nh * d)
+            x = x + F.linear(attn, w[p + "self_attn.o_proj.weight"])
+            hn = self._rms(x, p + "post_attention_layernorm.weight")
+            gate = F.linear(hn, w[p + "mlp.gate_proj.weight"])
+            up = F.linear(hn, w[p + "mlp.up_proj.weight"])
+            x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+        return self._rms(x, "model.norm.weight")
+
+    # --- generation ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, request: AudioRequest) -> Generation:
+        """Generate one audio segment, one step per forward, exactly as the engine does."""
+        cfg = self.cfg
+        prompt = np.asarray(request.prompt, dtype=np.int64)
+        if prompt.shape[0] + request.max_steps > cfg.max_position_embeddings:
+            raise ValueError("prompt + max_frames exceed the model's max_position_embeddings")
+        cache = _KVCache(cfg.num_hidden_layers)
+        h = self.forward(self.embed(prompt), 0, cache)[-1:]
+        lm_head, head_emb = self.w["lm_head.weight"], self.w["head_emb.weight"]
+        samp = request.sampling
+        gen0 = None
+        if samp.seed is not None and not samp.greedy:
+            gen0 = torch.Generator(device=self.device).manual_seed(samp.seed)
+        gen_aux = samp.aux_generator(self.device)
+
+        eos_step, steps = delay.NO_EOS, []
+        for s in range(request.max_steps):
+            rule = delay.stream0_rules(
+                np.array([s]), np.array([eos_step]), request.min_frames, request.max_frames
+            )
+            logits0 = heads.stream0_logits(h, lm_head, head_emb, rule, cfg.vocab_size)
+            active = delay.aux_active(np.array([s]), np.array([eos_step]))
+            codes = sample_rows(heads.aux_logits(h, lm_head, head_emb), [samp], [gen_aux])
+            tok0 = int(sample_rows(logits0, [samp], [gen0])[0])
+            step = np.concatenate([[tok0], heads.aux_ids(codes.cpu().numpy(), active)[0]])
+            steps.append(step)
+            if tok0 == vocab.SOS_EOS and eos_step == delay.NO_EOS:
+                eos_step = s
+            if tok0 == vocab.ENGINE_STOP:
+                break
+            h = self.forward(self.embed(step[None]), prompt.shape[0] + s, cache)
+        steps_arr = np.stack(steps).astype(np.int64)
+        return Generation(steps=steps_arr, frames=frames_from_steps(steps_arr))
+
+
+def frames_from_steps(steps: np.ndarray) -> np.ndarray:
+    """Generated steps [S, 9] -> the segment's audio frames [F, 9] (F = the EOS step)."""
+    assembler = delay.FrameAssembler()
+    for row in steps:
+        assembler.push(row)
+    return assembler.frames()

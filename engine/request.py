@@ -1,0 +1,88 @@
+"""An audio-generation request as the engine sees it, and how it travels through vLLM.
+
+vLLM's sequence (and KV cache) holds stream 0 only; the prompt's streams 1-8 and the request's
+frame limits ride in `SamplingParams.extra_args["opuslm"]` to the worker, where the model reads
+them (engine/vllm_plugin/stream_state.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine import vocab
+from engine.delay import FLUSH_STEPS
+from engine.sampling import SamplingConfig
+
+EXTRA_ARGS_KEY = "opuslm"
+_AUX_DTYPE = np.dtype("<i2")  # every id of streams 1-8 is < 13448 < 2**15
+
+
+@dataclass(frozen=True)
+class AudioRequest:
+    """Generate one audio segment after `prompt`.
+
+    prompt      [P, 9] global ids, already delay-interleaved; its last row opens the segment
+                (e.g. `10 34`: assistant, audio)
+    min_frames  EOS is blocked before this many frames
+    max_frames  EOS is forced at this many frames
+    """
+
+    prompt: np.ndarray
+    max_frames: int
+    min_frames: int = 0
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        p = np.asarray(self.prompt)
+        if p.ndim != 2 or p.shape[1] != vocab.NUM_STREAMS or p.shape[0] == 0:
+            raise ValueError(f"prompt must be [P>0, {vocab.NUM_STREAMS}], got shape {p.shape}")
+        if self.max_frames < 1:
+            raise ValueError(f"max_frames must be >= 1, got {self.max_frames}")
+        if not 0 <= self.min_frames <= self.max_frames:
+            raise ValueError(f"min_frames must be in [0, max_frames], got {self.min_frames}")
+        if p[:, 1:].min() < 0 or p[:, 1:].max() >= vocab.TEXT_OFFSET:
+            raise ValueError("prompt streams 1-8 must hold PAD or DAC ids")
+
+    @property
+    def prompt_len(self) -> int:
+        return int(np.asarray(self.prompt).shape[0])
+
+    @property
+    def max_steps(self) -> int:
+        """Generated steps (= vLLM output tokens) when EOS comes at max_frames."""
+        return self.max_frames + FLUSH_STEPS
+
+    def extra_args(self) -> dict[str, Any]:
+        aux = np.ascontiguousarray(np.asarray(self.prompt)[:, 1:], dtype=_AUX_DTYPE)
+        return {
+            EXTRA_ARGS_KEY: {
+                "aux": aux.tobytes(),
+                "min_frames": int(self.min_frames),
+                "max_frames": int(self.max_frames),
+            }
+        }
+
+
+@dataclass(frozen=True)
+class WorkerRequestSpec:
+    """What the worker-side model needs about a request (decoded from extra_args)."""
+
+    prompt_aux: np.ndarray  # [P, 8] int64
+    min_frames: int
+    max_frames: int
+
+    @classmethod
+    def from_extra_args(cls, extra_args: dict[str, Any] | None, prompt_len: int) -> "WorkerRequestSpec":
+        block = (extra_args or {}).get(EXTRA_ARGS_KEY)
+        if block is None:
+            raise ValueError(
+                f"request has no SamplingParams.extra_args[{EXTRA_ARGS_KEY!r}]: "
+                "OpusLM requests must be built with engine.request.AudioRequest"
+            )
+        aux = np.frombuffer(block["aux"], dtype=_AUX_DTYPE).reshape(-1, vocab.NUM_CODEBOOKS)
+        if aux.shape[0] != prompt_len:
+            raise ValueError(f"prompt has {prompt_len} positions but {aux.shape[0]} aux rows")
+        return cls(aux.astype(np.int64), int(block["min_frames"]), int(block["max_frames"]))

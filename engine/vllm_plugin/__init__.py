@@ -1,0 +1,29 @@
+"""vLLM plugin: registers OpusLM with vLLM in every vLLM process (entry point
+`vllm.general_plugins` -> `engine.vllm_plugin:register`).
+
+Which vLLM hooks the plugin relies on, and why, is written in engine/README.md.
+"""
+
+from __future__ import annotations
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Idempotent: vLLM calls it in the front-end, the engine core and every worker."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+
+    from engine.checkpoint import ARCHITECTURE, MODEL_TYPE
+    from engine.vllm_plugin.hf_config import OpusLMHFConfig
+
+    try:
+        AutoConfig.register(MODEL_TYPE, OpusLMHFConfig)
+    except ValueError:  # already registered in this process
+        pass
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, "engine.vllm_plugin.model:OpusLMForCausalLM")
+    _REGISTERED = True

@@ -1,0 +1,116 @@
+"""OpusLM as a vLLM model: Primary-Auxiliary Decomposition over vLLM's Llama backbone.
+
+vLLM's sequence is stream 0. In every forward:
+  1. the input embedding of each position is the sum of its 9 streams' embeddings: stream 0 from
+     vLLM's input ids, streams 1-8 from the per-request history (stream_state.py);
+  2. `compute_logits` returns stream 0's logits, masked to what the delay pattern allows this
+     step, for vLLM's own sampler; and in the same call samples streams 1-8 from
+     lm_head(h + head_emb[k]) with the request's sampling parameters and records them, so they
+     feed the next step's embedding and leave with this step's output.
+
+The runner (runner.py) tells the model which request each row is before the forward.
+Tensor parallelism is not supported (the heads slice the full lm_head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.llama import LlamaModel
+from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
+
+from engine import heads
+from engine.checkpoint import NUM_HEAD_EMB
+from engine.request import WorkerRequestSpec
+from engine.sampling import SamplingConfig, sample_rows
+from engine.vllm_plugin.stream_state import StepBatch, StreamStateStore
+
+
+class OpusLMForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("OpusLM runs with tensor_parallel_size=1")
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.model = LlamaModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
+        )
+        self.head_emb = nn.Embedding(NUM_HEAD_EMB, config.hidden_size)
+        self.streams = StreamStateStore()
+        self._batch: StepBatch | None = None  # set by the runner for one forward
+
+    # --- request lifecycle (called by the runner) ------------------------------------------------
+
+    def add_request(self, req_id: str, extra_args: dict | None, prompt_len: int, sampling: SamplingConfig) -> None:
+        spec = WorkerRequestSpec.from_extra_args(extra_args, prompt_len)
+        self.streams.add(req_id, spec, sampling, self.head_emb.weight.device)
+
+    def remove_request(self, req_id: str) -> None:
+        self.streams.remove(req_id)
+
+    def begin_step(self, batch: StepBatch) -> None:
+        self._batch = batch
+
+    def end_step(self, req_ids: list[str], sampled: list[list[int]]) -> list[np.ndarray]:
+        """Record stream 0's samples; return each output row's aux ids (empty if none)."""
+        empty = np.empty(0, dtype=np.int64)
+        out = []
+        for req_id, toks in zip(req_ids, sampled):
+            if toks:
+                self.streams.record_stream0(req_id, toks[-1])
+            out.append(self.streams.step_aux.get(req_id, empty))
+        self.streams.step_aux = {}
+        return out
+
+    # --- vLLM model interface --------------------------------------------------------------------
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+            if self._batch is not None:
+                aux = self.streams.gather_aux(self._batch, input_ids.shape[0])
+                aux_t = torch.from_numpy(aux).to(input_ids.device, non_blocking=True)
+                inputs_embeds = inputs_embeds + self.embed_input_ids(aux_t).sum(dim=1)
+        # Always pass embeddings: a backbone that sometimes sees ids and sometimes embeddings
+        # cannot be traced once by torch.compile.
+        return self.model(None, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch, self._batch = self._batch, None
+        w, e = self.lm_head.weight, self.head_emb.weight
+        if batch is None or hidden_states.shape[0] != batch.num_rows:
+            # profiling / dummy runs: plain logits, nothing recorded
+            return nn.functional.linear(hidden_states, w[: self.vocab_size]).float()
+        plan = self.streams.plan(batch)
+        logits = heads.stream0_logits(hidden_states, w, e, plan.rules, self.vocab_size)
+        rows = np.nonzero(plan.commit)[0]
+        if len(rows):
+            idx = torch.from_numpy(rows).to(hidden_states.device)
+            configs, gens = self.streams.sampling_rows(batch, plan)
+            codes = sample_rows(heads.aux_logits(hidden_states[idx], w, e), configs, gens)
+            self.streams.commit(batch, plan, heads.aux_ids(codes.cpu().numpy(), plan.active[rows]))
+        else:
+            self.streams.step_aux = {}
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loader = AutoWeightsLoader(self)
+        return loader.load_weights(weights)

@@ -1,0 +1,97 @@
+"""Model-runner and worker subclasses: tell the OpusLM model which request each row is.
+
+Hooks into vLLM's V1 model runner (all listed in engine/README.md):
+  _update_states   new requests -> model.add_request; finished -> model.remove_request
+  _model_forward   publish the step's rows (request ids, positions, partial-prefill mask)
+  sample_tokens    after vLLM sampled stream 0: record it, and attach each row's 8 aux ids to
+                   ModelRunnerOutput.sampling_masks, which the scheduler slices per request and
+                   vLLM's output path concatenates per token (lossless for a lagging consumer)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.v1.outputs import ModelRunnerOutput, SamplingMaskLists
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_worker import Worker as GPUWorker
+
+from engine.sampling import SamplingConfig
+from engine.vllm_plugin.stream_state import StepBatch
+
+
+def sampling_config(params) -> SamplingConfig:
+    """vLLM SamplingParams -> the config the aux streams are sampled with."""
+    top_k = params.top_k if params.top_k and params.top_k > 0 else 0
+    return SamplingConfig(temperature=params.temperature, top_k=top_k, top_p=params.top_p, seed=params.seed)
+
+
+class OpusRunnerMixin:
+    """Mixed into vLLM's V1 runner (CPU or GPU); overrides as little as possible."""
+
+    def _update_states(self, scheduler_output):
+        model = self.get_model()
+        for req_id in scheduler_output.finished_req_ids:
+            model.remove_request(req_id)
+        result = super()._update_states(scheduler_output)
+        for new in scheduler_output.scheduled_new_reqs:
+            model.add_request(
+                new.req_id,
+                new.sampling_params.extra_args,
+                len(new.prompt_token_ids),
+                sampling_config(new.sampling_params),
+            )
+        return result
+
+    def _model_forward(self, *args, **kwargs):
+        n = self.input_batch.num_reqs
+        self.get_model().begin_step(
+            StepBatch(
+                req_ids=list(self.input_batch.req_ids[:n]),
+                query_start_loc=self.query_start_loc.np[: n + 1].astype(np.int64),
+                start=self.input_batch.num_computed_tokens_cpu[:n].astype(np.int64),
+                discard=self.discard_request_mask.np[:n].astype(bool),
+            )
+        )
+        return super()._model_forward(*args, **kwargs)
+
+    def sample_tokens(self, grammar_output):
+        out = super().sample_tokens(grammar_output)
+        if isinstance(out, ModelRunnerOutput) and out.req_ids:
+            aux = self.get_model().end_step(out.req_ids, out.sampled_token_ids)
+            offsets = np.zeros(len(aux) + 1, dtype=np.int64)
+            offsets[1:] = np.cumsum([len(a) for a in aux])
+            out.sampling_masks = SamplingMaskLists(
+                token_ids=np.concatenate(aux) if offsets[-1] else np.empty(0, dtype=np.int64),
+                offsets=offsets,
+            )
+        return out
+
+
+class OpusCPUModelRunner(OpusRunnerMixin, CPUModelRunner):
+    pass
+
+
+class OpusGPUModelRunner(OpusRunnerMixin, GPUModelRunner):
+    pass
+
+
+_V2_MESSAGE = "OpusLM needs vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0"
+
+
+class OpusCPUWorker(CPUWorker):
+    def init_device(self):
+        super().init_device()
+        if self.use_v2_model_runner:
+            raise RuntimeError(_V2_MESSAGE)
+        # CPUWorker builds its runner inline; build ours instead (no weights are loaded yet)
+        self.model_runner = OpusCPUModelRunner(self.vllm_config, torch.device("cpu"))
+
+
+class OpusGPUWorker(GPUWorker):
+    def _make_model_runner(self):
+        if self.use_v2_model_runner:
+            raise RuntimeError(_V2_MESSAGE)
+        return OpusGPUModelRunner(self.vllm_config, self.device)

@@ -1,0 +1,151 @@
+"""Per-request state of the auxiliary streams (1-8), kept in the worker next to the model.
+
+vLLM's sequence holds stream 0 only. For every position of a request we keep the 8 aux ids that
+position carries, keyed by request id and position -- never by batch row, since rows move every
+step. Prompt positions come from the request; position P+s gets the aux sampled at generated
+step s. Because history is kept by position, a preempted request that vLLM recomputes from its
+stream-0 tokens, or a prompt prefilled in chunks, reads back exactly what it had.
+
+All of this is numpy on the host: it runs once per step for the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine import delay, vocab
+from engine.request import WorkerRequestSpec
+from engine.sampling import SamplingConfig
+
+
+@dataclass
+class RequestStreams:
+    """One request's aux history and generation state."""
+
+    prompt_len: int
+    min_frames: int
+    max_frames: int
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    aux: np.ndarray  # [capacity, 8] aux ids by position; rows < num_positions are valid
+    num_positions: int  # positions whose aux is known (prompt + generated steps)
+    eos_step: int = delay.NO_EOS
+
+    def append(self, ids: np.ndarray) -> None:
+        if self.num_positions == self.aux.shape[0]:
+            grown = np.zeros((2 * self.aux.shape[0], vocab.NUM_CODEBOOKS), dtype=np.int64)
+            grown[: self.num_positions] = self.aux
+            self.aux = grown
+        self.aux[self.num_positions] = ids
+        self.num_positions += 1
+
+
+@dataclass
+class StepBatch:
+    """The rows of one forward, published by the runner before the model runs.
+
+    Row r covers positions [start[r], start[r] + num_tokens[r]) of request req_ids[r]; its logits
+    are those of its last position. `discard[r]`: a partial prefill whose sample vLLM discards.
+    """
+
+    req_ids: list[str]
+    query_start_loc: np.ndarray  # [rows + 1]
+    start: np.ndarray  # [rows]
+    discard: np.ndarray  # [rows] bool
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+
+@dataclass
+class StepPlan:
+    """What the heads do for each row of a step (computed before the logits)."""
+
+    rules: np.ndarray  # [rows] Stream0Rule
+    active: np.ndarray  # [rows, 8] aux stream samples (else PAD)
+    commit: np.ndarray  # [rows] bool: this row produces a new step
+    steps: np.ndarray  # [rows] generated step index
+
+
+@dataclass
+class StreamStateStore:
+    requests: dict[str, RequestStreams] = field(default_factory=dict)
+    step_aux: dict[str, np.ndarray] = field(default_factory=dict)  # aux committed this step
+
+    def add(self, req_id: str, spec: WorkerRequestSpec, sampling: SamplingConfig, device: torch.device) -> None:
+        if req_id in self.requests:  # resumed after preemption: history is by position, keep it
+            return
+        prompt_len = spec.prompt_aux.shape[0]
+        aux = np.zeros((max(64, 2 * (prompt_len + spec.max_frames)), vocab.NUM_CODEBOOKS), dtype=np.int64)
+        aux[:prompt_len] = spec.prompt_aux
+        self.requests[req_id] = RequestStreams(
+            prompt_len=prompt_len,
+            min_frames=spec.min_frames,
+            max_frames=spec.max_frames,
+            sampling=sampling,
+            generator=sampling.aux_generator(device),
+            aux=aux,
+            num_positions=prompt_len,
+        )
+
+    def remove(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def gather_aux(self, batch: StepBatch, num_tokens: int) -> np.ndarray:
+        """[num_tokens, 8] aux ids of every scheduled token (PAD for padding tokens)."""
+        out = np.zeros((num_tokens, vocab.NUM_CODEBOOKS), dtype=np.int64)
+        qsl = batch.query_start_loc
+        for r, req_id in enumerate(batch.req_ids):
+            st = self.requests[req_id]
+            a, n = int(batch.start[r]), int(qsl[r + 1] - qsl[r])
+            if a + n > st.num_positions:
+                raise RuntimeError(
+                    f"request {req_id}: positions [{a}, {a + n}) scheduled but aux known for "
+                    f"{st.num_positions} only"
+                )
+            out[qsl[r] : qsl[r + 1]] = st.aux[a : a + n]
+        return out
+
+    def plan(self, batch: StepBatch) -> StepPlan:
+        states = [self.requests[r] for r in batch.req_ids]
+        next_pos = batch.start + batch.num_tokens  # position whose tokens this step samples
+        prompt_len = np.array([s.prompt_len for s in states], dtype=np.int64)
+        known = np.array([s.num_positions for s in states], dtype=np.int64)
+        eos = np.array([s.eos_step for s in states], dtype=np.int64)
+        steps = next_pos - prompt_len
+        rules = delay.stream0_rules(
+            steps,
+            eos,
+            np.array([s.min_frames for s in states]),
+            np.array([s.max_frames for s in states]),
+        )
+        commit = ~batch.discard & (steps >= 0) & (next_pos == known)
+        return StepPlan(rules=rules, active=delay.aux_active(steps, eos), commit=commit, steps=steps)
+
+    def commit(self, batch: StepBatch, plan: StepPlan, ids: np.ndarray) -> None:
+        """Record the aux ids [n_commit, 8] sampled for the committing rows of this step."""
+        self.step_aux = {}
+        for j, r in enumerate(np.nonzero(plan.commit)[0]):
+            req_id = batch.req_ids[r]
+            self.requests[req_id].append(ids[j])
+            self.step_aux[req_id] = ids[j]
+
+    def record_stream0(self, req_id: str, token: int) -> None:
+        """Stream 0's sampled token of this step (known only after vLLM's sampler ran)."""
+        st = self.requests.get(req_id)
+        if st is None or req_id not in self.step_aux:
+            return
+        if token == vocab.SOS_EOS and st.eos_step == delay.NO_EOS:
+            st.eos_step = st.num_positions - 1 - st.prompt_len
+
+    def sampling_rows(self, batch: StepBatch, plan: StepPlan) -> tuple[list[SamplingConfig], list[torch.Generator | None]]:
+        rows = [self.requests[batch.req_ids[r]] for r in np.nonzero(plan.commit)[0]]
+        return [s.sampling for s in rows], [s.generator for s in rows]
