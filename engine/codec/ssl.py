@@ -1,0 +1,89 @@
+"""SSL tokenizer for stream 0: a feature extractor at 50 Hz and a k-means codebook (argmin distance).
+
+The tiny default is a random strided conv stack with a random codebook. Real checkpoints will ship
+XEUS (layer 18) plus k-means 5000 under another `SSLConfig.kind`; the interface stays
+`SSLTokenizer.from_dir(model_dir)` -> `features()` / `quantize()` / `tokenize()`.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from engine.codec.config import SSLConfig, load_config
+from engine.codec.dac import pad1d_reflect
+
+SSL_SUBDIR = "ssl"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class PaddedConv1d(nn.Conv1d):
+    """Conv1d with the codec's padding rule (reflect, left-heavy, last window full), so an input
+    of n·hop samples gives exactly n frames and windows cut on the frame grid line up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stride = self.stride[0]
+        kernel = self.kernel_size[0]
+        padding_total = kernel - stride
+        n_frames = (x.shape[-1] - kernel + padding_total) / stride + 1
+        extra = (math.ceil(n_frames) - 1) * stride + (kernel - padding_total) - x.shape[-1]
+        right = padding_total // 2
+        return super().forward(pad1d_reflect(x, padding_total - right, right + extra))
+
+
+class SSLTokenizer(nn.Module):
+    """audio [B, 1, S] -> features [B, feature_dim, ceil(S / 320)] -> clusters [B, T] in 0..4999."""
+
+    def __init__(self, cfg: SSLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        layers: list[nn.Module] = []
+        in_ch = 1
+        for stride in cfg.strides:
+            layers += [PaddedConv1d(in_ch, cfg.channels, 2 * stride, stride), nn.GELU()]
+            in_ch = cfg.channels
+        layers.append(PaddedConv1d(cfg.channels, cfg.feature_dim, 3))
+        self.extractor = nn.Sequential(*layers)
+        self.register_buffer("centroids", torch.zeros(cfg.num_clusters, cfg.feature_dim))
+
+    @property
+    def device(self) -> torch.device:
+        return self.centroids.device
+
+    def features(self, audio: torch.Tensor) -> torch.Tensor:
+        return self.extractor(audio)
+
+    def quantize(self, features: torch.Tensor) -> torch.Tensor:
+        """features [B, D, T] -> nearest centroid [B, T] (the fork's cdist argmin, as a matmul)."""
+        b, d, t = features.shape
+        x = features.transpose(1, 2).reshape(b * t, d)
+        dist = (
+            x.pow(2).sum(1, keepdim=True)
+            - 2 * x @ self.centroids.t()
+            + self.centroids.pow(2).sum(1)[None, :]
+        )
+        return dist.argmin(dim=-1).view(b, t)
+
+    @torch.inference_mode()
+    def tokenize(self, audio: torch.Tensor) -> torch.Tensor:
+        return self.quantize(self.features(audio))
+
+    @classmethod
+    def from_dir(cls, model_dir: pathlib.Path, device: torch.device | str = "cpu") -> SSLTokenizer:
+        """Load `model_dir/ssl/{config.json, model.safetensors}`."""
+        ssl_dir = pathlib.Path(model_dir) / SSL_SUBDIR
+        cfg = load_config(SSLConfig, ssl_dir / CONFIG_NAME)
+        weights_path = ssl_dir / WEIGHTS_NAME
+        if not weights_path.is_file():
+            raise ValueError(f"SSL weights {weights_path} do not exist")
+        model = cls(cfg)
+        missing, unexpected = model.load_state_dict(load_file(str(weights_path)), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{weights_path}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        return model.eval().to(device)
+
