@@ -20,7 +20,7 @@ import numpy as np
 from engine import vocab
 from engine.checkpoint import load_config
 from engine.delay import FrameAssembler
-from engine.request import AudioRequest
+from engine.request import AudioRequest, Generation
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class EngineConfig:
     block_size: int | None = None
     enforce_eager: bool = True
     enable_chunked_prefill: bool = True
+    log_stats: bool = False  # per-request vLLM stats (e.g. preemption counts)
     seed: int = 0
     dtype: str = "float32"
     extra_engine_args: dict = field(default_factory=dict)
@@ -48,6 +49,7 @@ class StepChunk:
     first_step: int
     steps: np.ndarray
     finished: bool
+    num_preemptions: int = 0  # so far; known only when EngineConfig.log_stats is on
 
 
 def _set_vllm_env(cfg: EngineConfig) -> None:
@@ -55,6 +57,9 @@ def _set_vllm_env(cfg: EngineConfig) -> None:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cfg.kv_cache_gib)))))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # One engine-core process holding the worker, instead of two: half the start-up time, and
+    # the gateway's process stays free of model work either way.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def engine_args(cfg: EngineConfig):
@@ -78,7 +83,7 @@ def engine_args(cfg: EngineConfig):
         enable_prefix_caching=False,
         enable_chunked_prefill=cfg.enable_chunked_prefill,
         async_scheduling=False,  # the runner's hooks read each step's rows synchronously
-        disable_log_stats=True,
+        disable_log_stats=not cfg.log_stats,
     )
     if cfg.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
@@ -153,17 +158,19 @@ class AsyncOpusEngine:
                 steps = np.concatenate([np.asarray(toks, dtype=np.int64)[:, None], np.asarray(aux, dtype=np.int64)], axis=1)
             else:
                 steps = np.empty((0, vocab.NUM_STREAMS), dtype=np.int64)
-            yield StepChunk(first_step=num_steps, steps=steps, finished=out.finished)
+            preempted = getattr(out.metrics, "num_preemptions", 0) if out.metrics is not None else 0
+            yield StepChunk(first_step=num_steps, steps=steps, finished=out.finished, num_preemptions=preempted)
             num_steps += len(toks)
 
-    async def generate_frames(self, request: AudioRequest, request_id: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Run a request to completion: (steps [S, 9], frames [F, 9])."""
-        assembler = FrameAssembler()
+    async def generate(self, request: AudioRequest, request_id: str | None = None) -> Generation:
+        """Run a request to completion."""
+        assembler, preemptions = FrameAssembler(), 0
         async for chunk in self.stream_steps(request, request_id):
             for row in chunk.steps:
                 assembler.push(row)
+            preemptions = max(preemptions, chunk.num_preemptions)
         steps = np.stack(assembler.steps) if assembler.steps else np.empty((0, vocab.NUM_STREAMS), np.int64)
-        return steps.astype(np.int64), assembler.frames()
+        return Generation(steps=steps.astype(np.int64), frames=assembler.frames(), num_preemptions=preemptions)
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -8,7 +8,6 @@ stopping rule. Nothing here imports vLLM.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,16 +16,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from engine import checkpoint, delay, heads, vocab
-from engine.request import AudioRequest
+from engine.request import AudioRequest, Generation
 from engine.sampling import sample_rows
-
-
-@dataclass
-class Generation:
-    """The result of one request: generated steps [S, 9] and the de-interleaved frames [F, 9]."""
-
-    steps: np.ndarray
-    frames: np.ndarray
 
 
 class _KVCache:

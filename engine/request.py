@@ -86,3 +86,12 @@ class WorkerRequestSpec:
         if aux.shape[0] != prompt_len:
             raise ValueError(f"prompt has {prompt_len} positions but {aux.shape[0]} aux rows")
         return cls(aux.astype(np.int64), int(block["min_frames"]), int(block["max_frames"]))
+
+
+@dataclass
+class Generation:
+    """The result of one request: generated steps [S, 9] and the de-interleaved frames [F, 9]."""
+
+    steps: np.ndarray
+    frames: np.ndarray
+    num_preemptions: int = 0
