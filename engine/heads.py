@@ -51,8 +51,8 @@ def aux_logits(h: torch.Tensor, lm_head: torch.Tensor, head_emb: torch.Tensor) -
     lo = vocab.DAC_OFFSET
     w = lm_head[lo : lo + vocab.NUM_CODEBOOKS * vocab.CODEBOOK_SIZE]
     w = w.view(vocab.NUM_CODEBOOKS, vocab.CODEBOOK_SIZE, -1)  # [8, 1024, H]
-    hk = h[:, None, :] + head_emb[1 : vocab.NUM_STREAMS][None]  # [rows, 8, H]
-    return torch.einsum("rkh,kch->rkc", hk, w).float()
+    hk = h[None, :, :] + head_emb[1 : vocab.NUM_STREAMS][:, None, :]  # [8, rows, H]
+    return torch.bmm(hk, w.transpose(1, 2)).transpose(0, 1).float()  # [rows, 8, 1024]
 
 
 _CODEBOOK_BASE = vocab.DAC_OFFSET + vocab.CODEBOOK_SIZE * np.arange(vocab.NUM_CODEBOOKS)

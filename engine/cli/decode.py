@@ -48,6 +48,8 @@ def load_frames(path: pathlib.Path, index: int) -> np.ndarray:
         if not 0 <= index < codes.shape[0]:
             raise ValueError(f"--index {index} out of range for {codes.shape[0]} requests")
         codes = codes[index]
+        # `duplex generate` pads requests that ended early with rows of -1 (FRAME_PAD)
+        codes = codes[~(codes == -1).all(axis=-1)]
     if codes.ndim != 2 or codes.shape[1] != NUM_STREAMS:
         raise ValueError(f"{path} has shape {list(codes.shape)}, need [F, 9] or [N, F, 9]")
     bad = ~in_stream_range(codes)

@@ -88,7 +88,9 @@ class OpusLMForCausalLM(nn.Module):
             if self._batch is not None:
                 aux = self.streams.gather_aux(self._batch, input_ids.shape[0])
                 aux_t = torch.from_numpy(aux).to(input_ids.device, non_blocking=True)
-                inputs_embeds = inputs_embeds + self.embed_input_ids(aux_t).sum(dim=1)
+                # one fused gather-and-sum over the 8 aux streams of every token
+                table = self.model.embed_tokens.weight
+                inputs_embeds = inputs_embeds + nn.functional.embedding_bag(aux_t, table, mode="sum")
         # Always pass embeddings: a backbone that sometimes sees ids and sometimes embeddings
         # cannot be traced once by torch.compile.
         return self.model(None, positions, intermediate_tensors, inputs_embeds)
