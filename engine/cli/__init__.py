@@ -11,6 +11,9 @@ COMMAND_MODULES = (
     "engine.cli.generate",
     "engine.cli.decode",
     "engine.cli.encode",
+    "engine.cli.convert",
+    "realtime.cli.serve",
+    "realtime.cli.client",
 )
 
 
@@ -25,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
-            if e.name == name:  # a command not built yet
+            if name.startswith(e.name or "\0"):  # a command (or its package) not built yet
                 continue
             raise
         module.register(sub)
