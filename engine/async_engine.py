@@ -36,6 +36,7 @@ class EngineConfig:
     block_size: int | None = None
     enforce_eager: bool = True
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     log_stats: bool = False  # per-request vLLM stats (e.g. preemption counts)
     seed: int = 0
     dtype: str = "float32"
@@ -50,6 +51,7 @@ class StepChunk:
     steps: np.ndarray
     finished: bool
     num_preemptions: int = 0  # so far; known only when EngineConfig.log_stats is on
+    num_cached_tokens: int = 0  # prompt positions served from the prefix cache
 
 
 def _set_vllm_env(cfg: EngineConfig) -> None:
@@ -79,8 +81,9 @@ def engine_args(cfg: EngineConfig):
         seed=cfg.seed,
         worker_cls=f"engine.vllm_plugin.runner.{worker}",
         scheduler_cls="engine.vllm_plugin.scheduler.OpusScheduler",
-        # Prefix hashes cover stream 0 only; the aux streams differ under equal stream-0 ids.
-        enable_prefix_caching=False,
+        # Block hashes cover stream 0 only, so every request carries a cache salt: its own, or
+        # its conversation's, within which equal stream-0 prefixes imply equal aux streams.
+        enable_prefix_caching=cfg.enable_prefix_caching,
         enable_chunked_prefill=cfg.enable_chunked_prefill,
         async_scheduling=False,  # the runner's hooks read each step's rows synchronously
         disable_log_stats=not cfg.log_stats,
@@ -107,7 +110,7 @@ def sampling_params(request: AudioRequest):
         top_k=s.top_k if s.top_k > 0 else -1,
         top_p=s.top_p,
         seed=s.seed,
-        max_tokens=request.max_steps,
+        max_tokens=1 if request.prefill_only else request.max_steps,
         stop_token_ids=[vocab.ENGINE_STOP],
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,
@@ -143,7 +146,10 @@ class AsyncOpusEngine:
         Closing the iterator early aborts the request in vLLM.
         """
         rid = request_id or self.new_request_id()
-        prompt = {"prompt_token_ids": [int(t) for t in np.asarray(request.prompt)[:, 0]]}
+        prompt = {
+            "prompt_token_ids": [int(t) for t in np.asarray(request.prompt)[:, 0]],
+            "cache_salt": request.cache_salt or f"req:{rid}",
+        }
         num_steps = 0
         async for out in self._llm.generate(prompt, sampling_params(request), rid):
             comp = out.outputs[0]
@@ -159,24 +165,40 @@ class AsyncOpusEngine:
             else:
                 steps = np.empty((0, vocab.NUM_STREAMS), dtype=np.int64)
             preempted = getattr(out.metrics, "num_preemptions", 0) if out.metrics is not None else 0
-            yield StepChunk(first_step=num_steps, steps=steps, finished=out.finished, num_preemptions=preempted)
+            yield StepChunk(
+                first_step=num_steps,
+                steps=steps,
+                finished=out.finished,
+                num_preemptions=preempted,
+                num_cached_tokens=out.num_cached_tokens or 0,
+            )
             num_steps += len(toks)
 
     async def generate(self, request: AudioRequest, request_id: str | None = None) -> Generation:
         """Run a request to completion."""
-        assembler, preemptions = FrameAssembler(), 0
+        assembler, preemptions, cached = FrameAssembler(), 0, 0
         async for chunk in self.stream_steps(request, request_id):
             for row in chunk.steps:
                 assembler.push(row)
             preemptions = max(preemptions, chunk.num_preemptions)
+            cached = max(cached, chunk.num_cached_tokens)
         steps = np.stack(assembler.steps) if assembler.steps else np.empty((0, vocab.NUM_STREAMS), np.int64)
-        return Generation(steps=steps.astype(np.int64), frames=assembler.frames(), num_preemptions=preemptions)
+        return Generation(
+            steps=steps.astype(np.int64),
+            frames=assembler.frames(),
+            num_preemptions=preemptions,
+            num_cached_tokens=cached,
+        )
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 
     def shutdown(self) -> None:
-        self._llm.shutdown()
+        if self._llm is not None:
+            self._llm.shutdown()
+            # drop it now: AsyncLLM.__del__ at interpreter exit would shut down a second time
+            # with half the modules gone
+            self._llm = None
 
     async def __aenter__(self) -> "AsyncOpusEngine":
         return self

@@ -34,6 +34,11 @@ class AudioRequest:
     max_frames: int
     min_frames: int = 0
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # Requests with the same salt may share KV blocks of equal prompt prefixes (a conversation's
+    # history across turns); None gives the request a salt of its own. vLLM's block hashes cover
+    # stream 0 only, so sharing is safe only where equal stream-0 prefixes imply equal aux streams.
+    cache_salt: str | None = None
+    prefill_only: bool = False  # compute the prompt's KV (for later reuse) and stop
 
     def __post_init__(self) -> None:
         p = np.asarray(self.prompt)
@@ -95,3 +100,4 @@ class Generation:
     steps: np.ndarray
     frames: np.ndarray
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt positions whose KV came from the prefix cache

@@ -1,0 +1,478 @@
+"""The engine service: conversations on OpusLM, the one interface the gateway sees.
+
+Implements engine/service_api.py. Data flows one way:
+
+    push_user_audio ─▶ tokenizer thread (DAC encoder + SSL, incremental) ─▶ user frames
+        ─▶ incremental prefill (prefix-cached KV of the stable part, while the user talks)
+    respond ─▶ vLLM (AsyncOpusEngine) steps ─▶ frame assembly ─▶ codec stage thread ─▶ AudioChunk
+    cancel(played_ms) ─▶ abort in vLLM at the next step; history keeps the played frames only
+
+The history's KV is reused across turns by vLLM's prefix cache, salted per conversation (block
+hashes cover stream 0 only; within one conversation equal stream-0 prefixes have equal aux
+streams, across conversations they need not). Nothing here blocks the event loop: model work
+runs in the engine-core process, the tokenizer thread and the codec-stage thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+
+from engine import vocab
+from engine.capacity import CapacityModel
+from engine.delay import FrameAssembler
+from engine.dialogue import DialogueTurn, response_prompt, stable_user_prefix
+from engine.request import AudioRequest
+from engine.sampling import SamplingConfig
+from engine.service_api import (
+    FRAME_MS,
+    AtCapacity,
+    AudioChunk,
+    ConversationClosed,
+    ConversationOptions,
+    EngineHealth,
+    EngineLoad,
+    HistoryTurn,
+    ResponseInProgress,
+    Role,
+)
+
+log = logging.getLogger("duplex.engine")
+
+SAMPLES_PER_FRAME = vocab.HOP_SAMPLES
+
+
+@dataclass(frozen=True)
+class EngineServiceConfig:
+    """Engine settings (the `engine:` section of the server config)."""
+
+    model: str | None = None  # checkpoint dir; None = the cached tiny model
+    max_conversations: int = 16  # hard cap, whatever the measurements say
+    max_num_seqs: int = 32
+    kv_cache_gib: float = 1.0
+    kv_block_size: int = 32  # prefix-cache granularity (vLLM's CPU backend needs multiples of 32)
+    enforce_eager: bool = True
+    incremental_prefill: bool = True
+    prefill_interval_ms: float = 200.0  # prefill the user's audio every this much of new speech
+    first_chunk_frames: int = 4  # codec: small first chunk for time to first audio
+    chunk_frames: int = 16
+    codec_max_batch: int = 16
+    first_audio_budget_ms: float = 60.0  # the first chunk's deadline after its frames exist
+    capacity_margin: float = 0.8
+    capacity_override: int | None = None  # a fixed capacity instead of the measured one
+    warmup: bool = True
+    seed: int = 0
+
+
+class TurnState(IntEnum):
+    LISTENING = 0
+    RESPONDING = 1
+    CLOSED = 2
+
+
+@dataclass
+class _UserTurn:
+    tokenizer_state: object
+    frames: list[np.ndarray] = field(default_factory=list)
+    num_frames: int = 0
+    prefilled_frames: int = 0
+    done: asyncio.Future | None = None  # resolves when the tokenizer has flushed the turn
+    last_job: asyncio.Future | None = None
+
+    def all_frames(self) -> np.ndarray:
+        if not self.frames:
+            return np.zeros((0, vocab.NUM_STREAMS), dtype=np.int64)
+        return np.concatenate(self.frames)
+
+
+@dataclass
+class _Response:
+    id: str
+    chunks: asyncio.Queue
+    frames: list[np.ndarray] = field(default_factory=list)
+    played_frames: int | None = None  # set by cancel
+    pump: asyncio.Task | None = None
+
+    def num_frames(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+
+_END = object()  # queue sentinel: the response ended (cancel or engine error)
+
+
+class Conversation:
+    """One dialogue. Methods are called from the event loop; see engine/service_api.py."""
+
+    def __init__(self, engine: "Engine", session_id: str, options: ConversationOptions) -> None:
+        self.id = session_id
+        self._engine = engine
+        self._options = options
+        self._salt = f"conv:{session_id}:{next(engine._salt_ids)}"
+        self._turns: list[DialogueTurn] = []
+        self._user: _UserTurn | None = None
+        self._response: _Response | None = None
+        self._state = TurnState.LISTENING
+        self._responses = itertools.count()
+        self._sampling = SamplingConfig(
+            temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, seed=options.seed
+        )
+        self._prefill_task: asyncio.Task | None = None
+        self.cached_tokens_last_response = 0  # prompt positions served from the prefix cache
+        self.prefilled_requests = 0  # incremental prefills issued while the user talked
+        self.last_prompt: np.ndarray | None = None  # the prompt of the latest response
+
+    # --- user audio --------------------------------------------------------------------------
+
+    def push_user_audio(self, pcm_16k: np.ndarray) -> None:
+        """Mono int16 (or float in [-1, 1]) at 16 kHz; tokenized off the loop as it arrives."""
+        self._check_open()
+        pcm = np.asarray(pcm_16k)
+        if pcm.ndim != 1:
+            raise ValueError(f"user audio must be mono 1-D samples, got shape {pcm.shape}")
+        if pcm.dtype == np.int16:
+            pcm = pcm.astype(np.float32) / 32768.0
+        pcm = pcm.astype(np.float32, copy=False)
+        if self._user is None:
+            self._user = _UserTurn(tokenizer_state=self._engine._tokenizer.new_state())
+        user = self._user
+        job = self._engine._tokenize(user.tokenizer_state, pcm, finish=False)
+        user.last_job = job
+        job.add_done_callback(lambda f, u=user: self._on_frames(u, f))
+
+    def end_user_turn(self) -> None:
+        """The user's turn is complete (VAD end of speech, or a client commit)."""
+        self._check_open()
+        if self._user is None:
+            self._user = _UserTurn(tokenizer_state=self._engine._tokenizer.new_state())
+        user = self._user
+        if user.done is not None:
+            return
+        job = self._engine._tokenize(user.tokenizer_state, None, finish=True)
+        user.done = job
+        job.add_done_callback(lambda f, u=user: self._on_frames(u, f))
+
+    def _on_frames(self, user: _UserTurn, fut: concurrent.futures.Future | asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        frames = fut.result()
+        if len(frames):
+            user.frames.append(frames)
+            user.num_frames += len(frames)
+        self._maybe_prefill(user)
+
+    def _maybe_prefill(self, user: _UserTurn) -> None:
+        cfg = self._engine.config
+        if not cfg.incremental_prefill or user is not self._user or user.done is not None:
+            return
+        if self._prefill_task is not None and not self._prefill_task.done():
+            return
+        if (user.num_frames - user.prefilled_frames) * FRAME_MS < cfg.prefill_interval_ms:
+            return
+        user.prefilled_frames = user.num_frames
+        prompt = stable_user_prefix(self._turns, user.all_frames())
+        self._prefill_task = asyncio.ensure_future(self._engine._prefill(prompt, self._salt))
+        self.prefilled_requests += 1
+
+    # --- the answer --------------------------------------------------------------------------
+
+    async def respond(self) -> AsyncIterator[AudioChunk]:
+        """Generate the assistant's answer to the user's turn, chunk by chunk, in order."""
+        self._check_open()
+        if self._response is not None:
+            raise ResponseInProgress(f"conversation {self.id} is already responding")
+        if self._user is None or self._user.done is None:
+            self.end_user_turn()
+        user, self._user = self._user, None
+        assert user is not None and user.done is not None
+        response = _Response(id=f"{self.id}-resp{next(self._responses)}", chunks=asyncio.Queue())
+        self._response, self._state = response, TurnState.RESPONDING
+        try:
+            await user.done  # the tokenizer has flushed the turn; its frames are in `user`
+            self._turns.append(DialogueTurn(vocab.USER, user.all_frames()))
+            self.last_prompt = response_prompt(self._turns)
+            self.cached_tokens_last_response = 0
+            request = AudioRequest(
+                prompt=self.last_prompt,
+                max_frames=max(1, int(self._options.max_response_ms / FRAME_MS)),
+                min_frames=1,
+                sampling=self._sampling,
+                cache_salt=self._salt,
+            )
+            response.pump = asyncio.ensure_future(self._engine._run_response(self, request, response))
+            async for chunk in self._drain(response):
+                yield chunk
+        finally:
+            await self._finish_response(response)
+
+    async def _drain(self, response: _Response) -> AsyncIterator[AudioChunk]:
+        while True:
+            item = await response.chunks.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.is_last:
+                return
+
+    async def _finish_response(self, response: _Response) -> None:
+        if response.pump is not None and not response.pump.done():
+            response.pump.cancel()
+            try:
+                await response.pump
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._engine._codec.close(response.id)
+        frames = np.concatenate(response.frames) if response.frames else np.zeros((0, vocab.NUM_STREAMS), np.int64)
+        if response.played_frames is not None:
+            frames = frames[: response.played_frames]
+        self._turns.append(DialogueTurn(vocab.ASSISTANT, frames))
+        self._response = None
+        if self._state != TurnState.CLOSED:
+            self._state = TurnState.LISTENING
+
+    def cancel(self, played_ms: float) -> None:
+        """Barge-in: stop generating now; the history keeps only the played frames.
+
+        With no response running, truncates the last assistant turn (its audio may still be
+        playing at the client when the user interrupts).
+        """
+        played = max(0, int(played_ms // FRAME_MS))
+        response = self._response
+        if response is not None:
+            response.played_frames = min(played, response.num_frames())
+            if response.pump is not None:
+                response.pump.cancel()
+            self._engine._codec.close(response.id)
+            response.chunks.put_nowait(_END)
+            return
+        if self._turns and self._turns[-1].role == vocab.ASSISTANT:
+            last = self._turns[-1]
+            last.frames = last.frames[:played]
+
+    async def close(self) -> None:
+        if self._state == TurnState.CLOSED:
+            return
+        if self._response is not None:
+            self.cancel(played_ms=float("inf"))
+        self._state = TurnState.CLOSED
+        self._engine._conversations.pop(self.id, None)
+
+    @property
+    def history(self) -> list[HistoryTurn]:
+        role = {vocab.USER: Role.USER, vocab.ASSISTANT: Role.ASSISTANT}
+        return [HistoryTurn(role=role[t.role], audio_frames=len(t.frames)) for t in self._turns]
+
+    def next_prompt(self) -> np.ndarray:
+        """The prompt the next response would start from (for tests and debugging)."""
+        return response_prompt(self._turns)
+
+    def _check_open(self) -> None:
+        if self._state == TurnState.CLOSED:
+            raise ConversationClosed(f"conversation {self.id} is closed")
+
+
+class Engine:
+    """vLLM engine + tokenizer + codec stage, shared by all conversations of a process."""
+
+    def __init__(self, config: EngineServiceConfig) -> None:
+        self.config = config
+        self._conversations: dict[str, Conversation] = {}
+        self._salt_ids = itertools.count()
+        self._ready = False
+        self._capacity = CapacityModel(max_conversations=min(config.max_conversations, config.max_num_seqs),
+                                       margin=config.capacity_margin)
+        self._tok_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.model_dir: Path | None = None
+
+    @classmethod
+    async def start(cls, config: EngineServiceConfig | None = None) -> "Engine":
+        self = cls(config or EngineServiceConfig())
+        await self._start()
+        return self
+
+    async def _start(self) -> None:
+        from engine.async_engine import AsyncOpusEngine, EngineConfig
+        from engine.codec.dac import DAC
+        from engine.codec.ssl import SSLTokenizer
+        from engine.codec.stage import CodecStage
+        from engine.codec.streaming import StreamConfig
+        from engine.codec.tokenizer import AudioTokenizer
+        from engine.tiny import ensure_tiny
+
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        model = Path(cfg.model) if cfg.model else await loop.run_in_executor(None, ensure_tiny)
+        self.model_dir = model
+
+        def load_audio():
+            import torch
+
+            torch.set_num_threads(1)  # codec and tokenizer threads: one core each, no oversubscription
+            dac = DAC.from_dir(model, device="cpu")
+            return dac, AudioTokenizer(dac, SSLTokenizer.from_dir(model, device="cpu"))
+
+        dac, self._tokenizer = await loop.run_in_executor(self._tok_pool, load_audio)
+        self._codec = CodecStage(
+            dac,
+            StreamConfig(first_chunk_frames=cfg.first_chunk_frames, chunk_frames=cfg.chunk_frames),
+            max_batch=cfg.codec_max_batch,
+            first_audio_budget_s=cfg.first_audio_budget_ms / 1000.0,
+        )
+        self._codec.start()
+        self.llm = await AsyncOpusEngine.start(
+            EngineConfig(
+                model=str(model),
+                max_num_seqs=cfg.max_num_seqs,
+                kv_cache_gib=cfg.kv_cache_gib,
+                block_size=cfg.kv_block_size,
+                enforce_eager=cfg.enforce_eager,
+                seed=cfg.seed,
+            )
+        )
+        if cfg.warmup:
+            await self._warmup()
+        self._ready = True
+
+    async def _warmup(self) -> None:
+        """Measure step time at a few batch sizes (admission control starts from these)."""
+        from engine.prompt import synthetic_prompt
+
+        for batch in sorted({1, min(4, self._capacity.max_conversations), min(8, self._capacity.max_conversations)}):
+            reqs = [AudioRequest(synthetic_prompt(i, 10), 24, 24, SamplingConfig(temperature=0.0)) for i in range(batch)]
+            stamps: list[list[float]] = [[] for _ in reqs]
+
+            async def run(i: int, r: AudioRequest) -> None:
+                async for chunk in self.llm.stream_steps(r):
+                    stamps[i].extend([time.perf_counter()] * len(chunk.steps))
+
+            await asyncio.gather(*(run(i, r) for i, r in enumerate(reqs)))
+            # steady-state decode: skip the prefill step and the first decode step
+            span = [s[-1] - s[2] for s in stamps if len(s) > 3]
+            if span:
+                self._capacity.observe(batch, 1000.0 * max(span) / (len(stamps[0]) - 3))
+        log.info("engine warm: step ms by batch %s, capacity %d", self._capacity.step_ms, self._capacity.capacity())
+
+    # --- conversations -----------------------------------------------------------------------
+
+    def open_conversation(self, session_id: str, options: ConversationOptions | None = None) -> Conversation:
+        if not self._ready:
+            raise AtCapacity("engine is not ready")
+        if session_id in self._conversations:
+            raise ValueError(f"conversation {session_id!r} is already open")
+        cap = self.capacity()
+        if len(self._conversations) >= cap:
+            raise AtCapacity(
+                f"server at capacity: {len(self._conversations)} conversations open, "
+                f"{cap} can respond in real time"
+            )
+        conv = Conversation(self, session_id, options or ConversationOptions())
+        self._conversations[session_id] = conv
+        return conv
+
+    def capacity(self) -> int:
+        if self.config.capacity_override is not None:
+            return self.config.capacity_override
+        # never refuse everyone: one conversation is served even on an overloaded box
+        return max(1, self._capacity.capacity())
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(ready=self._ready, detail="ready" if self._ready else "starting")
+
+    def load(self) -> EngineLoad:
+        responding = sum(1 for c in self._conversations.values() if c._response is not None)
+        return EngineLoad(
+            conversations=len(self._conversations),
+            responding=responding,
+            capacity=self.capacity(),
+            step_ms=self._capacity.predicted_step_ms(max(responding, 1)),
+            batch_size=float(responding),
+            chunks_late=self._codec.stats.late_chunks if self._ready else 0,
+        )
+
+    async def shutdown(self) -> None:
+        for conv in list(self._conversations.values()):
+            await conv.close()
+        self._ready = False
+        if hasattr(self, "_codec"):
+            self._codec.stop()
+        if hasattr(self, "llm"):
+            self.llm.shutdown()
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- work for conversations ----------------------------------------------------------------
+
+    def _tokenize(self, state, pcm: np.ndarray | None, finish: bool) -> asyncio.Future:
+        """Feed audio (or the end of the turn) to the tokenizer thread; resolves to new frames."""
+        tok = self._tokenizer
+
+        def job() -> np.ndarray:
+            if pcm is not None:
+                tok.push(state, pcm)
+            if finish:
+                tok.finish(state)
+            while tok.ready(state):
+                tok.step([state])
+            return tok.take(state)
+
+        return asyncio.wrap_future(self._tok_pool.submit(job))
+
+    async def _prefill(self, prompt: np.ndarray, salt: str) -> None:
+        req = AudioRequest(prompt=prompt, max_frames=1, sampling=SamplingConfig(temperature=0.0),
+                           cache_salt=salt, prefill_only=True)
+        try:
+            async for _ in self.llm.stream_steps(req):
+                pass
+        except Exception:  # a failed prefill only costs time at the end of the turn
+            log.exception("incremental prefill failed")
+
+    async def _run_response(self, conv: Conversation, request: AudioRequest, response: _Response) -> None:
+        """vLLM steps -> complete frames -> codec stage; PCM chunks come back via the sink."""
+        loop = asyncio.get_running_loop()
+
+        def sink(pcm_chunk) -> None:  # codec-stage thread
+            loop.call_soon_threadsafe(response.chunks.put_nowait, self._audio_chunk(response.id, pcm_chunk))
+
+        self._codec.open(response.id, sink)
+        assembler = FrameAssembler()
+        last_t: float | None = None
+        try:
+            async for step_chunk in self.llm.stream_steps(request, response.id):
+                conv.cached_tokens_last_response = max(conv.cached_tokens_last_response, step_chunk.num_cached_tokens)
+                now = time.perf_counter()
+                if last_t is not None and len(step_chunk.steps):
+                    responding = sum(1 for c in self._conversations.values() if c._response is not None)
+                    self._capacity.observe(responding, 1000.0 * (now - last_t) / len(step_chunk.steps))
+                last_t = now
+                new = [assembler.push(row) for row in step_chunk.steps]
+                frames = np.concatenate(new) if new else np.zeros((0, vocab.NUM_STREAMS), np.int64)
+                if len(frames):
+                    response.frames.append(frames)
+                    self._codec.push(response.id, frames)
+            self._codec.finish(response.id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # surface engine failures to the consumer, not just the log
+            log.exception("response %s failed", response.id)
+            response.chunks.put_nowait(e)
+
+    @staticmethod
+    def _audio_chunk(response_id: str, pcm_chunk) -> AudioChunk:
+        pcm = np.clip(np.round(pcm_chunk.pcm * 32767.0), -32768, 32767).astype(np.int16)
+        return AudioChunk(
+            response_id=response_id,
+            pcm=pcm,
+            start_ms=1000.0 * pcm_chunk.start_sample / vocab.SAMPLE_RATE_HZ,
+            duration_ms=1000.0 * len(pcm) / vocab.SAMPLE_RATE_HZ,
+            deadline=pcm_chunk.deadline_s,
+            is_last=pcm_chunk.is_last,
+        )

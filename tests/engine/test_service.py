@@ -1,0 +1,143 @@
+"""engine.service on the real engine (tiny model, CPU): conversations over several turns equal
+the reference pipeline, barge-in truncation, KV reuse across turns, admission control."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from engine import vocab
+from engine.codec.dac import DAC
+from engine.codec.streaming import snr_db
+from engine.codec.synth import speech_like
+from engine.dialogue import DialogueTurn, response_prompt
+from engine.reference import ReferenceOpusLM
+from engine.request import AudioRequest
+from engine.sampling import GREEDY
+from engine.service import Engine, EngineServiceConfig
+from engine.service_api import AtCapacity, ConversationClosed, ConversationOptions, Role
+
+pytestmark = pytest.mark.vllm
+
+MAX_RESPONSE_MS = 900.0  # 45 frames
+GREEDY_OPTIONS = ConversationOptions(temperature=0.0, max_response_ms=MAX_RESPONSE_MS)
+
+
+@pytest.fixture(scope="module")
+def engine(loop_thread, tiny_model):
+    eng = loop_thread.run(Engine.start(EngineServiceConfig(model=str(tiny_model), capacity_override=2)))
+    yield eng
+    loop_thread.run(eng.shutdown())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return ReferenceOpusLM.from_dir(tiny_model), DAC.from_dir(tiny_model, device="cpu")
+
+
+def speech(seconds: float, seed: int) -> np.ndarray:
+    return (speech_like(seconds, seed=seed) * 20000).astype(np.int16)
+
+
+async def talk(conv, pcm: np.ndarray, piece_ms: float = 100.0, realtime: bool = True) -> None:
+    step = int(16 * piece_ms)
+    for i in range(0, len(pcm), step):
+        conv.push_user_audio(pcm[i : i + step])
+        await asyncio.sleep(piece_ms / 1000.0 if realtime else 0)
+    conv.end_user_turn()
+
+
+async def answer(conv, cancel_after_ms: float | None = None, played_ms: float = 0.0):
+    chunks = []
+    async for chunk in conv.respond():
+        chunks.append(chunk)
+        if cancel_after_ms is not None and chunk.start_ms + chunk.duration_ms >= cancel_after_ms:
+            conv.cancel(played_ms)
+    return chunks
+
+
+def reference_audio(reference, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    ref, dac = reference
+    frames = ref.generate(AudioRequest(prompt, int(MAX_RESPONSE_MS // 20), 1, GREEDY)).frames
+    codes = torch.from_numpy(vocab.global_to_dac(frames[:, 1:]).T[None].copy())
+    return frames, dac.decode(codes)[0, 0].numpy()
+
+
+def test_two_conversations_several_turns_equal_the_reference(engine, loop_thread, reference) -> None:
+    async def dialogue(session: str, seed: int):
+        conv = engine.open_conversation(session, GREEDY_OPTIONS)
+        turns = []
+        for t in range(2):
+            await talk(conv, speech(1.2 + 0.3 * t, seed + t))
+            chunks = await answer(conv)
+            turns.append((conv.last_prompt.copy(), chunks, conv.cached_tokens_last_response))
+        history = conv.history
+        await conv.close()
+        return turns, history
+
+    async def both():
+        return await asyncio.gather(dialogue("alice", 1), dialogue("bob", 7))
+
+    results = loop_thread.run(both())
+    for turns, history in results:
+        assert [h.role for h in history] == [Role.USER, Role.ASSISTANT] * 2
+        for prompt, chunks, _ in turns:
+            assert chunks[-1].is_last and not any(c.is_last for c in chunks[:-1])
+            starts = [c.start_ms for c in chunks]
+            assert starts == sorted(starts) and starts[0] == 0.0
+            got = np.concatenate([c.pcm for c in chunks]).astype(np.float32) / 32767.0
+            frames, want = reference_audio(reference, prompt)
+            assert len(got) == len(frames) * vocab.HOP_SAMPLES == len(want)
+            # streamed codec vs offline decode of the same codes, plus int16 rounding
+            assert snr_db(want, got) > 30.0
+        # turn 2's prompt extends turn 1's history, whose KV came from the prefix cache
+        first_prompt, second_prompt = turns[0][0], turns[1][0]
+        history_len = len(first_prompt) - 2 + history[1].audio_frames + 8 + 2
+        assert turns[1][2] >= (history_len // 32) * 32 > 0
+    # different users, different answers
+    assert not np.array_equal(results[0][0][0][0], results[1][0][0][0])
+
+
+def test_barge_in_truncates_history_to_the_played_frames(engine, loop_thread) -> None:
+    async def run():
+        conv = engine.open_conversation("carol", GREEDY_OPTIONS)
+        await talk(conv, speech(1.0, 3), realtime=False)
+        full = await answer(conv)
+        await talk(conv, speech(0.8, 4), realtime=False)
+        cut = await answer(conv, cancel_after_ms=200, played_ms=170)
+        after = conv.history
+        prompt = conv.next_prompt()
+        turns = list(conv._turns)
+        await conv.close()
+        return full, cut, after, prompt, turns
+
+    full, cut, history, prompt, turns = loop_thread.run(run())
+    assert sum(c.duration_ms for c in full) == pytest.approx(MAX_RESPONSE_MS, abs=20)
+    assert sum(c.duration_ms for c in cut) < MAX_RESPONSE_MS
+    assert history[-1].role == Role.ASSISTANT and history[-1].audio_frames == 170 // 20
+    # the next prompt holds exactly those 8 frames of the interrupted answer, after the rest
+    want = response_prompt(turns[:-1] + [DialogueTurn(vocab.ASSISTANT, turns[-1].frames[:8])])
+    np.testing.assert_array_equal(prompt, want)
+    assert history[1].audio_frames == round(MAX_RESPONSE_MS / 20)
+
+
+def test_admission_control_and_closed_conversations(engine, loop_thread) -> None:
+    async def run():
+        a = engine.open_conversation("x1")
+        b = engine.open_conversation("x2")
+        with pytest.raises(AtCapacity):
+            engine.open_conversation("x3")
+        load = engine.load()
+        await a.close()
+        c = engine.open_conversation("x3")  # a slot came free
+        with pytest.raises(ConversationClosed):
+            a.push_user_audio(np.zeros(160, np.int16))
+        await b.close()
+        await c.close()
+        return load
+
+    load = loop_thread.run(run())
+    assert load.conversations == 2 and load.capacity == 2 and load.step_ms > 0
