@@ -1,29 +1,11 @@
-"""Realtime test helpers: speech from espeak-ng (skipped with a reason when it is missing)."""
+"""Realtime test fixtures: speech from espeak-ng (skipped with a reason when it is missing)."""
 
 from __future__ import annotations
 
-import functools
 import shutil
-import subprocess
-import tempfile
-import wave
-from pathlib import Path
 
-import numpy as np
 import pytest
-
-
-@functools.lru_cache(maxsize=16)
-def _espeak(text: str, rate_hz: int) -> np.ndarray:
-    import soxr
-
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "s.wav"
-        subprocess.run(["espeak-ng", "-v", "en-us", "-s", "160", "-w", str(path), text], check=True, capture_output=True)
-        with wave.open(str(path)) as w:
-            src_rate = w.getframerate()
-            pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.int16)
-    return soxr.resample(pcm, src_rate, rate_hz).astype(np.int16)
+from rt_helpers import espeak
 
 
 @pytest.fixture(scope="session")
@@ -31,8 +13,4 @@ def speech():
     """speech(text, rate_hz) -> int16 mono speech from espeak-ng."""
     if shutil.which("espeak-ng") is None:
         pytest.skip("espeak-ng is not installed (apt-get install espeak-ng); needed for real speech input")
-    return _espeak
-
-
-def silence(ms: float, rate_hz: int) -> np.ndarray:
-    return np.zeros(int(rate_hz * ms / 1000), np.int16)
+    return espeak

@@ -1,0 +1,400 @@
+"""The OpenAI-Realtime-style event machine for `WS /v1/realtime`, sans-I/O (STYLE rule 9).
+
+    proto = RealtimeProtocol(session, limits)
+    proto.open()                                # -> session.created
+    proto.receive_text(message, now)            # a client JSON event
+    proto.receive_binary(message, now)          # our binary frame: 0x01 + one Opus packet
+    proto.send_session_events(session.events()) # session events -> server events (audio encoded)
+    for msg in proto.data_to_send(): ...        # str (JSON) or bytes (binary Opus) for the socket
+
+It never touches a socket and never raises on client input: every mistake becomes an `error`
+event naming it ({type, code, message, param, event_id}) and the session goes on. Wire shapes follow
+the GA Realtime API; beta spellings are accepted on input. Our additions are documented in
+docs/protocol.md: binary Opus frames, `output_audio_buffer.played`, `epoch` on response events,
+`duplex.latency`, and the `duplex` object in session config.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import itertools
+import json
+import struct
+from dataclasses import dataclass, field, replace
+
+from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat, parse_wire_format
+from realtime.session import (
+    InputCleared, InputCommitted, ItemTruncated, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone,
+    ResponseStatus, ResponseText, Session, SessionError, SpeechStarted, SpeechStopped,
+)
+from realtime.vad import VadParams
+
+BINARY_OPUS = 0x01  # first byte of a binary frame carrying one Opus packet
+_EPOCH = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class ProtocolLimits:
+    max_append_bytes: int = 1 << 20  # decoded audio bytes in one input_audio_buffer.append
+    max_opus_packet_bytes: int = 4000
+
+
+@dataclass
+class SessionSettings:
+    """What session.update sets beyond turn detection; the shell maps it onto the engine's options."""
+
+    model: str = "duplex-opuslm"
+    instructions: str = ""
+    voice: str = "default"
+    temperature: float = 0.8
+    top_k: int = 30
+    top_p: float = 1.0
+    seed: int | None = None
+    cfg_scale: float = 1.0
+    max_response_ms: float = 10_000.0
+    input_format: WireFormat = WireFormat.PCM16
+    output_format: WireFormat = WireFormat.PCM16
+
+
+class ClientError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None, error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.code, self.message, self.param, self.error_type = code, message, param, error_type
+
+
+def _get(obj: dict, key: str, types: type | tuple, *, required: bool = False, prefix: str = ""):
+    if key not in obj or obj[key] is None and not required:
+        if required:
+            raise ClientError("missing_required_parameter", f"missing required parameter '{prefix}{key}'", prefix + key)
+        return None
+    value = obj[key]
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        value = None  # bool is an int in Python; never accept it as a number
+    if value is None or not isinstance(value, types):
+        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise ClientError("invalid_type", f"'{prefix}{key}' must be of type {names}", prefix + key)
+    return value
+
+
+class RealtimeProtocol:
+    def __init__(self, session: Session, limits: ProtocolLimits | None = None, settings: SessionSettings | None = None) -> None:
+        self.session = session
+        self.limits = limits or ProtocolLimits()
+        self.settings = settings or SessionSettings()
+        self.settings_changed = False  # set by session.update when the engine's options changed
+        self.closing_reason: str | None = None
+        self._out: list[str | bytes] = []
+        self._event_ids = itertools.count(1)
+        self._decoder = InputDecoder(self.settings.input_format)
+        self._opus_decoder: InputDecoder | None = None
+        self._encoder = self._make_encoder()
+        self._audio_started = False  # output audio was sent: the voice is now fixed
+
+    # ---- outputs ----
+    def data_to_send(self) -> list[str | bytes]:
+        out, self._out = self._out, []
+        return out
+
+    def _emit(self, event_type: str, **fields) -> None:
+        self._out.append(json.dumps({"type": event_type, "event_id": f"event_{next(self._event_ids)}", **fields}, separators=(",", ":")))
+
+    def _error(self, e: ClientError | SessionError, client_event_id: str | None) -> None:
+        self._emit("error", error={
+            "type": getattr(e, "error_type", "invalid_request_error"), "code": e.code, "message": e.message,
+            "param": e.param, "event_id": client_event_id,
+        })
+
+    def error(self, code: str, message: str, error_type: str = "server_error") -> None:
+        """A server-side error event (capacity, slow client, idle timeout...)."""
+        self._error(ClientError(code, message, None, error_type), None)
+
+    def open(self) -> None:
+        self._emit("session.created", session=self._session_object())
+
+    # ---- client input ----
+    def receive_text(self, text: str, now: float) -> None:
+        event_id = None
+        try:
+            try:
+                ev = json.loads(text)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ClientError("invalid_json", f"message is not valid JSON: {e.msg} at position {e.pos}") from None
+            if not isinstance(ev, dict):
+                raise ClientError("invalid_json", "an event must be a JSON object")
+            event_id = ev.get("event_id") if isinstance(ev.get("event_id"), str) else None
+            kind = _get(ev, "type", str, required=True)
+            handler = self._HANDLERS.get(kind)
+            if handler is None:
+                raise ClientError("unknown_event_type", f"unknown or unsupported event type {kind!r}", "type")
+            handler(self, ev, now)
+        except (ClientError, SessionError) as e:
+            self._error(e, event_id)
+        self.send_session_events(self.session.events())
+
+    def receive_binary(self, data: bytes, now: float) -> None:
+        try:
+            if not data or data[0] != BINARY_OPUS:
+                raise ClientError("invalid_binary_frame", "a binary frame must start with 0x01 followed by one Opus packet")
+            if len(data) - 1 > self.limits.max_opus_packet_bytes:
+                raise ClientError("invalid_binary_frame", f"Opus packet larger than {self.limits.max_opus_packet_bytes} bytes")
+            if self._opus_decoder is None:
+                self._opus_decoder = InputDecoder(WireFormat.OPUS)
+            try:
+                pcm = self._opus_decoder.decode(bytes(data[1:]))
+            except AudioFormatError as e:
+                raise ClientError("invalid_audio", str(e)) from None
+            self.session.receive_audio(pcm, now)
+        except (ClientError, SessionError) as e:
+            self._error(e, None)
+        self.send_session_events(self.session.events())
+
+    def _on_append(self, ev: dict, now: float) -> None:
+        audio = _get(ev, "audio", str, required=True)
+        if len(audio) * 3 // 4 > self.limits.max_append_bytes:
+            raise ClientError("audio_too_large", f"one append may carry at most {self.limits.max_append_bytes} bytes of audio", "audio")
+        try:
+            payload = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise ClientError("invalid_base64", "'audio' is not valid base64", "audio") from None
+        try:
+            pcm = self._decoder.decode(payload)
+        except AudioFormatError as e:
+            raise ClientError("invalid_audio", f"{e} (input format {self.settings.input_format.value})", "audio") from None
+        self.session.receive_audio(pcm, now)
+
+    def _on_commit(self, ev: dict, now: float) -> None:
+        self.session.receive_commit(now)
+
+    def _on_clear(self, ev: dict, now: float) -> None:
+        self.session.receive_clear()
+
+    def _on_response_create(self, ev: dict, now: float) -> None:
+        _get(ev, "response", dict)
+        self.session.receive_response_create(now)
+
+    def _on_response_cancel(self, ev: dict, now: float) -> None:
+        self.session.receive_response_cancel(now, _get(ev, "response_id", str))
+
+    def _on_truncate(self, ev: dict, now: float) -> None:
+        item_id = _get(ev, "item_id", str, required=True)
+        content_index = _get(ev, "content_index", int)
+        if content_index not in (None, 0):
+            raise ClientError("invalid_value", "content_index must be 0", "content_index")
+        audio_end_ms = _get(ev, "audio_end_ms", (int, float), required=True)
+        self.session.receive_truncate(item_id, float(audio_end_ms), now)
+
+    def _on_output_clear(self, ev: dict, now: float) -> None:
+        self.session.receive_output_clear(now)
+
+    def _on_played(self, ev: dict, now: float) -> None:
+        played_ms = _get(ev, "played_ms", (int, float), required=True)
+        underruns = _get(ev, "underruns", int) or 0
+        self.session.receive_played(float(played_ms), underruns, _get(ev, "response_id", str))
+
+    def _on_session_update(self, ev: dict, now: float) -> None:
+        cfg = _get(ev, "session", dict, required=True)
+        s = replace(self.settings)
+        vad_change = _UNSET = object()
+        audio = _get(cfg, "audio", dict, prefix="session.") or {}
+        inp = _get(audio, "input", dict, prefix="session.audio.") or {}
+        out = _get(audio, "output", dict, prefix="session.audio.") or {}
+        try:
+            if "format" in inp or "input_audio_format" in cfg:
+                s.input_format = parse_wire_format(inp.get("format", cfg.get("input_audio_format")))
+            if "format" in out or "output_audio_format" in cfg:
+                s.output_format = parse_wire_format(out.get("format", cfg.get("output_audio_format")))
+        except ValueError as e:
+            raise ClientError("invalid_value", str(e), "session.audio.format") from None
+        if "turn_detection" in inp or "turn_detection" in cfg:
+            vad_change = self._parse_turn_detection(inp["turn_detection"] if "turn_detection" in inp else cfg["turn_detection"])
+        voice = out.get("voice", cfg.get("voice"))
+        if voice is not None:
+            if not isinstance(voice, str):
+                raise ClientError("invalid_type", "'session.audio.output.voice' must be a string", "session.audio.output.voice")
+            if self._audio_started and voice != s.voice:
+                raise ClientError("invalid_value", "the voice cannot change once audio has been output", "session.audio.output.voice")
+            s.voice = voice
+        if (instr := _get(cfg, "instructions", str, prefix="session.")) is not None:
+            s.instructions = instr
+        if (model := _get(cfg, "model", str, prefix="session.")) is not None:
+            s.model = model
+        if (temp := _get(cfg, "temperature", (int, float), prefix="session.")) is not None:
+            s.temperature = float(temp)
+        ours = _get(cfg, "duplex", dict, prefix="session.") or {}
+        for key, types in (("top_k", int), ("top_p", (int, float)), ("seed", int), ("cfg_scale", (int, float)), ("max_response_ms", (int, float))):
+            if (v := _get(ours, key, types, prefix="session.duplex.")) is not None:
+                setattr(s, key, v)
+        _check_sampling(s)
+        # All validated: apply.
+        if vad_change is not _UNSET:
+            self.session.set_turn_detection(vad_change)
+        if s.input_format != self.settings.input_format:
+            self._decoder = InputDecoder(s.input_format)
+        engine_keys = ("instructions", "voice", "temperature", "top_k", "top_p", "seed", "cfg_scale", "max_response_ms")
+        self.settings_changed |= any(getattr(s, k) != getattr(self.settings, k) for k in engine_keys)
+        output_changed = s.output_format != self.settings.output_format
+        self.settings = s
+        if output_changed:
+            self._encoder = self._make_encoder()
+        self._emit("session.updated", session=self._session_object())
+
+    def _parse_turn_detection(self, td) -> VadParams | None:
+        if td is None:
+            return None
+        if not isinstance(td, dict):
+            raise ClientError("invalid_type", "'turn_detection' must be an object or null", "session.audio.input.turn_detection")
+        p = "session.audio.input.turn_detection."
+        kind = _get(td, "type", str, prefix=p) or "server_vad"
+        if kind != "server_vad":
+            raise ClientError("invalid_value", f"turn_detection type {kind!r} is not supported (server_vad or null)", p + "type")
+        cur = self.session.vad_params or VadParams()
+        kw = {}
+        for key, types in (("threshold", (int, float)), ("prefix_padding_ms", int), ("silence_duration_ms", int),
+                           ("create_response", bool), ("interrupt_response", bool), ("min_speech_ms", int)):
+            if (v := _get(td, key, types, prefix=p)) is not None:
+                kw[key] = v
+        params = replace(cur, **kw)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise ClientError("invalid_value", str(e), p + str(e).split()[0].split(".")[-1]) from None
+        return params
+
+    # ---- session events -> server events ----
+    def send_session_events(self, events: list) -> None:
+        for ev in events:
+            self._SENDERS[type(ev)](self, ev)
+
+    def _make_encoder(self) -> OutputEncoder:
+        return OutputEncoder(self.settings.output_format, frame_ms=self.session.limits.output_frame_ms)
+
+    def _send_speech_started(self, ev: SpeechStarted) -> None:
+        self._emit("input_audio_buffer.speech_started", audio_start_ms=int(ev.audio_start_ms), item_id=ev.item_id)
+
+    def _send_speech_stopped(self, ev: SpeechStopped) -> None:
+        self._emit("input_audio_buffer.speech_stopped", audio_end_ms=int(ev.audio_end_ms), item_id=ev.item_id)
+
+    def _send_committed(self, ev: InputCommitted) -> None:
+        self._emit("input_audio_buffer.committed", previous_item_id=ev.previous_item_id, item_id=ev.item_id)
+        item = {"id": ev.item_id, "object": "realtime.item", "type": "message", "status": "completed", "role": "user",
+                "content": [{"type": "input_audio", "transcript": None}]}
+        self._emit("conversation.item.added", previous_item_id=ev.previous_item_id, item=item)
+        self._emit("conversation.item.done", previous_item_id=ev.previous_item_id, item=item)
+
+    def _send_cleared(self, ev: InputCleared) -> None:
+        self._emit("input_audio_buffer.cleared")
+
+    def _send_response_created(self, ev: ResponseCreated) -> None:
+        self._encoder.reset()
+        self._emit("response.created", response=self._response_object(ev.response_id, "in_progress", None, []), epoch=ev.epoch)
+        item = self._assistant_item(ev.item_id, "in_progress", "")
+        self._emit("response.output_item.added", response_id=ev.response_id, output_index=0, item=item)
+        self._emit("conversation.item.added", previous_item_id=None, item=item)
+        self._emit("response.content_part.added", response_id=ev.response_id, item_id=ev.item_id, output_index=0,
+                   content_index=0, part={"type": "audio", "transcript": ""})
+
+    def _send_audio(self, ev: ResponseAudio) -> None:
+        self._audio_started = True
+        if ev.ttfa_ms is not None or ev.start_ms == 0:
+            self._emit("duplex.latency", response_id=ev.response_id, epoch=ev.epoch, mark="first_audio",
+                       ttfa_ms=None if ev.ttfa_ms is None else round(ev.ttfa_ms, 1))
+        self._send_frames(ev.response_id, ev.item_id, ev.epoch, self._encoder.encode(ev.pcm))
+
+    def _send_frames(self, response_id: str, item_id: str, epoch: int, frames: list[bytes]) -> None:
+        if self.settings.output_format is WireFormat.OPUS:
+            head = bytes([BINARY_OPUS]) + _EPOCH.pack(epoch & 0xFFFFFFFF)
+            self._out.extend(head + f for f in frames)
+            return
+        for f in frames:
+            self._emit("response.output_audio.delta", response_id=response_id, item_id=item_id, output_index=0,
+                       content_index=0, delta=base64.b64encode(f).decode("ascii"), epoch=epoch)
+
+    def _send_text(self, ev: ResponseText) -> None:
+        self._emit("response.output_audio_transcript.delta", response_id=ev.response_id, item_id=ev.item_id,
+                   output_index=0, content_index=0, delta=ev.delta)
+
+    def _send_output_cleared(self, ev: OutputCleared) -> None:
+        self._encoder.reset()
+        self._emit("output_audio_buffer.cleared", response_id=ev.response_id)
+
+    def _send_truncated(self, ev: ItemTruncated) -> None:
+        self._emit("conversation.item.truncated", item_id=ev.item_id, content_index=0, audio_end_ms=int(ev.audio_end_ms))
+
+    def _send_done(self, ev: ResponseDone) -> None:
+        status = {ResponseStatus.COMPLETED: "completed", ResponseStatus.CANCELLED: "cancelled", ResponseStatus.FAILED: "failed"}[ev.status]
+        if ev.status is ResponseStatus.COMPLETED:
+            self._send_frames(ev.response_id, ev.item_id, ev.epoch, self._encoder.flush())
+            self._emit("response.output_audio.done", response_id=ev.response_id, item_id=ev.item_id, output_index=0, content_index=0)
+            self._emit("response.output_audio_transcript.done", response_id=ev.response_id, item_id=ev.item_id,
+                       output_index=0, content_index=0, transcript=ev.transcript)
+            self._emit("response.content_part.done", response_id=ev.response_id, item_id=ev.item_id, output_index=0,
+                       content_index=0, part={"type": "audio", "transcript": ev.transcript})
+        item_status = "completed" if ev.status is ResponseStatus.COMPLETED else "incomplete"
+        item = self._assistant_item(ev.item_id, item_status, ev.transcript)
+        self._emit("response.output_item.done", response_id=ev.response_id, output_index=0, item=item)
+        self._emit("conversation.item.done", previous_item_id=None, item=item)
+        details = None if ev.reason is None else {"type": status, "reason": ev.reason}
+        resp = self._response_object(ev.response_id, status, details, [item])
+        resp["duplex"] = {"epoch": ev.epoch, "audio_ms": round(ev.audio_ms, 1), "played_ms": round(ev.played_ms, 1),
+                          "ttfa_ms": None if ev.ttfa_ms is None else round(ev.ttfa_ms, 1)}
+        self._emit("response.done", response=resp)
+
+    _SENDERS = {
+        SpeechStarted: _send_speech_started, SpeechStopped: _send_speech_stopped, InputCommitted: _send_committed,
+        InputCleared: _send_cleared, ResponseCreated: _send_response_created, ResponseAudio: _send_audio,
+        ResponseText: _send_text, OutputCleared: _send_output_cleared, ItemTruncated: _send_truncated, ResponseDone: _send_done,
+    }
+    _HANDLERS = {
+        "session.update": _on_session_update,
+        "input_audio_buffer.append": _on_append,
+        "input_audio_buffer.commit": _on_commit,
+        "input_audio_buffer.clear": _on_clear,
+        "response.create": _on_response_create,
+        "response.cancel": _on_response_cancel,
+        "conversation.item.truncate": _on_truncate,
+        "output_audio_buffer.clear": _on_output_clear,
+        "output_audio_buffer.played": _on_played,
+    }
+
+    # ---- wire objects ----
+    def _session_object(self) -> dict:
+        s, vad = self.settings, self.session.vad_params
+        td = None if vad is None else {
+            "type": "server_vad", "threshold": vad.threshold, "prefix_padding_ms": vad.prefix_padding_ms,
+            "silence_duration_ms": vad.silence_duration_ms, "create_response": vad.create_response,
+            "interrupt_response": vad.interrupt_response, "min_speech_ms": vad.min_speech_ms,
+        }
+        return {
+            "type": "realtime", "object": "realtime.session", "id": self.session.id, "model": s.model,
+            "output_modalities": ["audio"], "instructions": s.instructions,
+            "audio": {"input": {"format": s.input_format.to_wire(), "turn_detection": td},
+                      "output": {"format": s.output_format.to_wire(), "voice": s.voice}},
+            "duplex": {"top_k": s.top_k, "top_p": s.top_p, "seed": s.seed, "cfg_scale": s.cfg_scale,
+                       "temperature": s.temperature, "max_response_ms": s.max_response_ms,
+                       "lead_ms": self.session.limits.lead_ms, "binary_opus": True},
+        }
+
+    @staticmethod
+    def _assistant_item(item_id: str, status: str, transcript: str) -> dict:
+        return {"id": item_id, "object": "realtime.item", "type": "message", "status": status, "role": "assistant",
+                "content": [{"type": "output_audio", "transcript": transcript}]}
+
+    def _response_object(self, response_id: str, status: str, details: dict | None, output: list) -> dict:
+        return {"id": response_id, "object": "realtime.response", "status": status, "status_details": details,
+                "output": output, "output_modalities": ["audio"], "conversation_id": self.session.id,
+                "audio": {"output": {"format": self.settings.output_format.to_wire(), "voice": self.settings.voice}},
+                "usage": None, "metadata": None}
+
+
+def _check_sampling(s: SessionSettings) -> None:
+    checks = (
+        ("session.temperature", 0.0 <= s.temperature <= 5.0, "must be within [0, 5]"),
+        ("session.duplex.top_k", s.top_k >= 0, "must be >= 0"),
+        ("session.duplex.top_p", 0.0 < s.top_p <= 1.0, "must be within (0, 1]"),
+        ("session.duplex.cfg_scale", 0.0 <= s.cfg_scale <= 20.0, "must be within [0, 20]"),
+        ("session.duplex.max_response_ms", 0.0 < s.max_response_ms <= 600_000.0, "must be within (0, 600000]"),
+    )
+    for param, ok, why in checks:
+        if not ok:
+            raise ClientError("invalid_value", f"'{param}' {why}", param)

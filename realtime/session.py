@@ -1,0 +1,504 @@
+"""One conversation's turn-taking, transport-agnostic and sans-I/O (DESIGN.md §2, STYLE rule 9).
+
+Inputs arrive through `receive_*()` methods, always with the monotonic time `now` passed in; the
+caller drains two outputs:
+
+- `events()`: `SessionEvent`s for the transport to put on its wire (speech started/stopped, audio
+  frames when they are due, response done, ...);
+- `commands()`: `EngineCommand`s for the shell to run against the engine conversation
+  (push audio, end the user turn, start/cancel a response).
+
+Audio in and out is mono int16 at 16 kHz (the engine's rate); transports convert at the edge.
+Output audio is released by `poll_audio(now)` on the pacer's absolute schedule, so the session knows
+what was sent and, from acknowledgements or the schedule, what was played (the playback cursor).
+
+A client mistake raises `SessionError` (code, message, param); the session stays usable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from realtime.pacing import Pacer
+from realtime.vad import ServerVad, SileroVad, VadParams
+
+RATE_HZ = 16_000
+
+
+class SessionError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+class ResponseStatus(IntEnum):
+    """Ordered: every value from COMPLETED on means finished."""
+
+    IN_PROGRESS = 0  # the engine is generating; audio is paced out as it comes
+    GENERATED = 1  # the engine is done; the rest of the audio is still being paced out
+    COMPLETED = 2
+    CANCELLED = 3
+    FAILED = 4
+
+    @property
+    def finished(self) -> bool:
+        return self >= ResponseStatus.COMPLETED
+
+
+# --- outputs ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    item_id: str
+    audio_start_ms: float
+
+
+@dataclass(frozen=True)
+class SpeechStopped:
+    item_id: str
+    audio_end_ms: float
+
+
+@dataclass(frozen=True)
+class InputCommitted:
+    item_id: str
+    previous_item_id: str | None
+
+
+@dataclass(frozen=True)
+class InputCleared:
+    pass
+
+
+@dataclass(frozen=True)
+class ResponseCreated:
+    response_id: str
+    item_id: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class ResponseAudio:
+    response_id: str
+    item_id: str
+    epoch: int
+    pcm: np.ndarray  # int16, 16 kHz, one pacing frame
+    start_ms: float  # offset in the response's audio
+    ttfa_ms: float | None = None  # on the first frame only: end of user speech -> this frame
+
+
+@dataclass(frozen=True)
+class ResponseText:
+    response_id: str
+    item_id: str
+    epoch: int
+    delta: str
+
+
+@dataclass(frozen=True)
+class ResponseDone:
+    response_id: str
+    item_id: str
+    epoch: int
+    status: ResponseStatus
+    reason: str | None  # turn_detected | client_cancelled | engine_error | None (completed)
+    transcript: str
+    audio_ms: float  # audio sent to the client
+    played_ms: float  # what the history keeps (cancelled) or all sent (completed)
+    ttfa_ms: float | None  # end of user speech -> first audio frame released
+
+
+@dataclass(frozen=True)
+class OutputCleared:
+    response_id: str
+
+
+@dataclass(frozen=True)
+class ItemTruncated:
+    item_id: str
+    audio_end_ms: float
+
+
+SessionEvent = (
+    SpeechStarted | SpeechStopped | InputCommitted | InputCleared | ResponseCreated | ResponseAudio
+    | ResponseText | ResponseDone | OutputCleared | ItemTruncated
+)
+
+
+@dataclass(frozen=True)
+class PushAudio:
+    pcm: np.ndarray  # int16 at 16 kHz
+
+
+@dataclass(frozen=True)
+class EndTurn:
+    item_id: str
+
+
+@dataclass(frozen=True)
+class StartResponse:
+    response_id: str
+
+
+@dataclass(frozen=True)
+class CancelResponse:
+    response_id: str
+    played_ms: float  # the assistant turn keeps exactly this much audio
+
+
+EngineCommand = PushAudio | EndTurn | StartResponse | CancelResponse
+
+
+# --- state ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class SessionLimits:
+    output_frame_ms: int = 40  # pacing granularity (transports with fixed frames pass theirs)
+    lead_ms: float = 150.0  # audio sent ahead of real time
+    max_turn_ms: float = 60_000.0  # a client-committed turn may hold at most this much audio
+    max_response_buffer_ms: float = 120_000.0  # engine audio waiting for the pacer
+
+
+@dataclass
+class Response:
+    id: str
+    item_id: str
+    epoch: int
+    status: ResponseStatus = ResponseStatus.IN_PROGRESS
+    pending: deque = field(default_factory=deque)  # int16 arrays from the engine, not yet released
+    pending_samples: int = 0
+    sent_samples: int = 0
+    acked_ms: float | None = None  # client playback acknowledgement (output_audio_buffer.played)
+    transcript: str = ""
+    turn_end_time: float | None = None  # monotonic end of the user speech this answers
+    first_audio_time: float | None = None
+
+
+@dataclass
+class SessionStats:
+    responses: int = 0
+    barge_ins: int = 0
+    underruns_reported: int = 0
+    chunks_late: int = 0
+    ttfa_ms: list = field(default_factory=list)
+
+
+_ids = itertools.count(1)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(6)}{next(_ids):04x}"
+
+
+class Session:
+    def __init__(self, session_id: str | None = None, vad: VadParams | None = VadParams(), limits: SessionLimits | None = None) -> None:
+        self.id = session_id or new_id("sess")
+        self.limits = limits or SessionLimits()
+        self.vad_params = vad
+        self.stats = SessionStats()
+        self._silero: SileroVad | None = None
+        self._vad: ServerVad | None = None
+        self._events: list = []
+        self._commands: list = []
+        self._input_samples = 0  # total user audio received: the input timeline
+        self._turn: list[np.ndarray] = []  # manual mode: the uncommitted buffer
+        self._turn_samples = 0
+        self._recent: deque = deque()  # VAD mode, not speaking: recent audio for prefix padding
+        self._recent_samples = 0
+        self._pushed_samples = 0  # audio of the current user turn already sent to the engine
+        self._user_item: str | None = None  # the user item being spoken / buffered
+        self._last_item: str | None = None
+        self._speech_end_time: float | None = None  # monotonic end of the last committed user speech
+        self._epoch = 0
+        self.response: Response | None = None
+        self._assistant_items: dict[str, Response] = {}
+        self._pacer = Pacer(RATE_HZ, self.limits.lead_ms)
+        self.set_turn_detection(vad)
+
+    # ---- outputs ----
+    def events(self) -> list:
+        out, self._events = self._events, []
+        return out
+
+    def commands(self) -> list:
+        out, self._commands = self._commands, []
+        return out
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def input_ms(self) -> float:
+        return 1000.0 * self._input_samples / RATE_HZ
+
+    @property
+    def vad_enabled(self) -> bool:
+        return self.vad_params is not None
+
+    def vad_model(self) -> SileroVad | None:
+        """The stream's Silero state, for a shell that runs `process()` off the event loop."""
+        return self._silero
+
+    # ---- configuration ----
+    def set_turn_detection(self, vad: VadParams | None) -> None:
+        if vad is not None:
+            vad.validate()
+        self.vad_params = vad
+        if vad is None:
+            self._vad = None
+            return
+        if self._silero is None:
+            self._silero = SileroVad()
+        if self._vad is None or not self._vad.speaking:
+            self._vad = ServerVad(vad, offset_ms=self.input_ms)
+            self._silero.reset()
+        else:
+            self._vad.params = vad
+
+    # ---- user audio ----
+    def receive_audio(self, pcm: np.ndarray, now: float, probs: list[float] | None = None) -> None:
+        """User audio (int16, 16 kHz). `probs`: Silero output for exactly this audio, if computed elsewhere."""
+        if pcm.size == 0:
+            return
+        chunk_end_ms = 1000.0 * (self._input_samples + pcm.size) / RATE_HZ
+        if self._vad is None:
+            if 1000.0 * (self._turn_samples + pcm.size) / RATE_HZ > self.limits.max_turn_ms:
+                raise SessionError("input_audio_buffer_full", f"the input buffer holds at most {self.limits.max_turn_ms:.0f} ms; commit or clear it")
+            self._turn.append(pcm)
+            self._turn_samples += pcm.size
+            self._input_samples += pcm.size
+            return
+        if probs is None:
+            probs = self._silero.process(pcm)
+        was_speaking = self._vad.speaking
+        self._input_samples += pcm.size
+        if was_speaking:
+            self._push(pcm)
+        else:
+            self._remember(pcm)
+        for ev in self._vad.feed(probs):
+            if ev.kind == "started":
+                self._on_speech_started(ev.audio_ms, now)
+            else:
+                self._on_speech_stopped(ev.audio_ms, now, lag_ms=chunk_end_ms - ev.audio_ms)
+
+    def receive_commit(self, now: float) -> None:
+        if self._vad is not None and self._vad.speaking:
+            self._vad.reset(self.input_ms)
+            self._commit(now)
+            return
+        if self._vad is None:
+            if self._turn_samples == 0:
+                raise SessionError("input_audio_buffer_commit_empty", "the input audio buffer is empty")
+            self._user_item = new_id("item")
+            self._push(np.concatenate(self._turn))
+            self._turn, self._turn_samples = [], 0
+            self._commit(now)
+            return
+        raise SessionError("input_audio_buffer_commit_empty", "no speech in the input buffer to commit (server_vad commits turns itself)")
+
+    def receive_clear(self) -> None:
+        self._turn, self._turn_samples = [], 0
+        self._recent.clear()
+        self._recent_samples = 0
+        if self._vad is not None:
+            self._vad.reset(self.input_ms)
+            self._silero.reset()
+        # Audio already pushed to the engine for a turn in progress stays there (the engine has no
+        # way to retract it); the turn is ended without a response.
+        if self._pushed_samples:
+            self._commands.append(EndTurn(self._user_item or ""))
+            self._pushed_samples = 0
+        self._user_item = None
+        self._events.append(InputCleared())
+
+    def _remember(self, pcm: np.ndarray) -> None:
+        p = self.vad_params
+        self._recent.append(pcm)
+        self._recent_samples += pcm.size
+        keep = int(RATE_HZ * (p.prefix_padding_ms + p.min_speech_ms + 64) / 1000)  # +2 windows of slack
+        while self._recent and self._recent_samples - self._recent[0].size >= keep:
+            self._recent_samples -= self._recent.popleft().size
+
+    def _push(self, pcm: np.ndarray) -> None:
+        self._commands.append(PushAudio(pcm))
+        self._pushed_samples += pcm.size
+
+    def _on_speech_started(self, audio_start_ms: float, now: float) -> None:
+        if self.response is not None and not self.response.status.finished and self.vad_params.interrupt_response:
+            self._interrupt("turn_detected", now)
+            self.stats.barge_ins += 1
+        self._user_item = new_id("item")
+        self._events.append(SpeechStarted(self._user_item, audio_start_ms))
+        recent = np.concatenate(self._recent) if self._recent else np.zeros(0, np.int16)
+        start_sample = int(audio_start_ms * RATE_HZ / 1000) - (self._input_samples - recent.size)
+        self._push(recent[max(0, start_sample):])
+        self._recent.clear()
+        self._recent_samples = 0
+
+    def _on_speech_stopped(self, audio_end_ms: float, now: float, lag_ms: float) -> None:
+        self._events.append(SpeechStopped(self._user_item or "", audio_end_ms))
+        self._commit(now - max(0.0, lag_ms) / 1000.0)
+        if self.vad_params.create_response and (self.response is None or self.response.status.finished):
+            self.receive_response_create(now)
+
+    def _commit(self, speech_end_time: float) -> None:
+        item = self._user_item or new_id("item")
+        self._commands.append(EndTurn(item))
+        self._events.append(InputCommitted(item, self._last_item))
+        self._last_item, self._user_item, self._pushed_samples = item, None, 0
+        self._speech_end_time = speech_end_time
+
+    # ---- responses ----
+    def receive_response_create(self, now: float) -> str:
+        if self.response is not None and not self.response.status.finished:
+            raise SessionError("conversation_already_has_active_response", f"response {self.response.id} is still in progress")
+        r = Response(id=new_id("resp"), item_id=new_id("item"), epoch=self._epoch)
+        r.turn_end_time = self._speech_end_time
+        self._speech_end_time = None
+        self.response = r
+        self._assistant_items[r.item_id] = r
+        self._pacer.reset()
+        self.stats.responses += 1
+        self._events.append(ResponseCreated(r.id, r.item_id, r.epoch))
+        self._commands.append(StartResponse(r.id))
+        self._last_item = r.item_id
+        return r.id
+
+    def receive_response_cancel(self, now: float, response_id: str | None = None) -> None:
+        r = self.response
+        if r is None or r.status.finished:
+            raise SessionError("response_cancel_not_active", "there is no response in progress to cancel")
+        if response_id is not None and response_id != r.id:
+            raise SessionError("response_cancel_not_active", f"response {response_id} is not in progress", "response_id")
+        self._interrupt("client_cancelled", now)
+
+    def receive_output_clear(self, now: float) -> None:
+        """output_audio_buffer.clear: stop playback; cancels the response if one is running."""
+        r = self.response
+        if r is not None and not r.status.finished:
+            self._interrupt("client_cancelled", now)
+
+    def receive_engine_chunk(self, response_id: str, pcm: np.ndarray, text_delta: str, is_last: bool, deadline: float | None, now: float) -> None:
+        r = self.response
+        if r is None or r.id != response_id or r.status.finished:
+            return  # late output of a cancelled response: never played
+        if deadline is not None and now > deadline:
+            self.stats.chunks_late += 1
+        if text_delta:
+            r.transcript += text_delta
+            self._events.append(ResponseText(r.id, r.item_id, r.epoch, text_delta))
+        if pcm.size:
+            if 1000.0 * (r.pending_samples + pcm.size) / RATE_HZ > self.limits.max_response_buffer_ms:
+                pcm = pcm[: max(0, int(self.limits.max_response_buffer_ms * RATE_HZ / 1000) - r.pending_samples)]
+            r.pending.append(pcm)
+            r.pending_samples += pcm.size
+        if is_last:
+            r.status = ResponseStatus.GENERATED
+
+    def receive_engine_error(self, response_id: str, now: float) -> None:
+        r = self.response
+        if r is None or r.id != response_id or r.status.finished:
+            return
+        self._finish(r, ResponseStatus.FAILED, "engine_error", played_ms=self._played_ms(r, now))
+
+    def poll_audio(self, now: float) -> float | None:
+        """Release the frames that are due; returns when the next one is due (None: nothing pending)."""
+        r = self.response
+        if r is None or r.status.finished:
+            return None
+        frame = RATE_HZ * self.limits.output_frame_ms // 1000
+        while self._pacer.due(now) <= now:
+            if r.pending_samples >= frame or (r.status is ResponseStatus.GENERATED and r.pending_samples):
+                self._release(r, min(frame, r.pending_samples), now)
+            elif r.status is ResponseStatus.GENERATED:
+                self._finish(r, ResponseStatus.COMPLETED, None, played_ms=1000.0 * r.sent_samples / RATE_HZ)
+                return None
+            else:
+                return None  # waiting for the engine
+        return self._pacer.due(now)
+
+    def _release(self, r: Response, n: int, now: float) -> None:
+        parts, got = [], 0
+        while got < n:
+            head = r.pending[0]
+            take = min(n - got, head.size)
+            parts.append(head[:take])
+            if take == head.size:
+                r.pending.popleft()
+            else:
+                r.pending[0] = head[take:]
+            got += take
+        r.pending_samples -= n
+        pcm = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        ttfa = None
+        if r.first_audio_time is None:
+            r.first_audio_time = now
+            if r.turn_end_time is not None:
+                ttfa = 1000.0 * (now - r.turn_end_time)
+                self.stats.ttfa_ms.append(ttfa)
+        self._events.append(ResponseAudio(r.id, r.item_id, r.epoch, pcm, 1000.0 * r.sent_samples / RATE_HZ, ttfa))
+        r.sent_samples += n
+        self._pacer.on_sent(n, now)
+
+    # ---- playback cursor ----
+    def receive_played(self, played_ms: float, underruns: int = 0, response_id: str | None = None) -> None:
+        """output_audio_buffer.played: the client has played `played_ms` of the current response."""
+        self.stats.underruns_reported += max(0, int(underruns))
+        r = self.response
+        if r is None or (response_id is not None and response_id != r.id):
+            return  # stale: an older response
+        r.acked_ms = min(max(0.0, float(played_ms)), 1000.0 * r.sent_samples / RATE_HZ)
+
+    def receive_truncate(self, item_id: str, audio_end_ms: float, now: float) -> None:
+        r = self._assistant_items.get(item_id)
+        if r is None:
+            raise SessionError("item_not_found", f"no assistant item {item_id!r} in this conversation", "item_id")
+        if r is not self.response:
+            raise SessionError("item_not_truncatable", "only the latest assistant item can be truncated", "item_id")
+        sent_ms = 1000.0 * r.sent_samples / RATE_HZ
+        if audio_end_ms < 0 or audio_end_ms > sent_ms + 1e-6:
+            raise SessionError("audio_end_ms_out_of_range", f"audio_end_ms {audio_end_ms} is beyond the item's audio ({sent_ms:.0f} ms sent)", "audio_end_ms")
+        r.acked_ms = float(audio_end_ms)
+        if not r.status.finished:
+            self._interrupt("client_cancelled", now)
+        else:
+            self._commands.append(CancelResponse(r.id, float(audio_end_ms)))  # the engine re-cuts the finished turn
+        self._events.append(ItemTruncated(item_id, float(audio_end_ms)))
+
+    def played_ms(self, now: float) -> float:
+        r = self.response
+        return 0.0 if r is None else self._played_ms(r, now)
+
+    def _played_ms(self, r: Response, now: float) -> float:
+        if r.acked_ms is not None:
+            return r.acked_ms
+        return 1000.0 * min(self._pacer.played_samples(now), r.sent_samples) / RATE_HZ
+
+    # ---- interruption ----
+    def _interrupt(self, reason: str, now: float) -> None:
+        """Barge-in / cancel: stop the engine, drop unsent audio, clear the client's buffer, new epoch."""
+        r = self.response
+        played = self._played_ms(r, now)
+        self._commands.append(CancelResponse(r.id, played))
+        if r.sent_samples:
+            self._events.append(OutputCleared(r.id))
+        self._finish(r, ResponseStatus.CANCELLED, reason, played_ms=played)
+
+    def _finish(self, r: Response, status: ResponseStatus, reason: str | None, played_ms: float) -> None:
+        r.status = status
+        r.pending.clear()
+        r.pending_samples = 0
+        if status is not ResponseStatus.COMPLETED:
+            self._epoch += 1
+        ttfa = None if r.first_audio_time is None or r.turn_end_time is None else 1000.0 * (r.first_audio_time - r.turn_end_time)
+        self._events.append(ResponseDone(r.id, r.item_id, r.epoch, status, reason, r.transcript, 1000.0 * r.sent_samples / RATE_HZ, played_ms, ttfa))
