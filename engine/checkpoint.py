@@ -6,7 +6,7 @@ both the vLLM plugin and the PyTorch reference:
     config.json         HF-style backbone fields + "architectures": ["OpusLMForCausalLM"],
                         "model_type": "opuslm" and an "opuslm" block (streams, text size)
     model.safetensors   model.embed_tokens.weight [V, H]     the one table all 9 streams share
-                        model.layers.{i}.* / model.norm.*    the backbone, HF Llama names
+                        model.layers.{i}.* / model.norm.*    the backbone, HF Llama or Olmo2 names
                         lm_head.weight [V, H]                untied output head
                         head_emb.weight [12, H]              per-stream vector, row k for stream k
     codec/, ssl/        the audio codec and SSL tokenizer (engine/codec)
@@ -25,7 +25,9 @@ ARCHITECTURE = "OpusLMForCausalLM"
 MODEL_TYPE = "opuslm"
 FORMAT_VERSION = 1
 NUM_HEAD_EMB = 12  # ESPnet allocates 12 rows; rows 9-11 are unused
-SUPPORTED_BACKBONES = ("llama",)
+# "llama": SmolLM2 / Llama layers (pre-norm). "olmo2": OLMo-2 layers (q/k RMSNorm over the whole
+# projection, norms after attention and after the MLP, no input norm), as in HF `Olmo2Model`.
+SUPPORTED_BACKBONES = ("llama", "olmo2")
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,14 @@ def expected_weight_shapes(cfg: OpusLMConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
             p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
             p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
-            p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if cfg.backbone == "olmo2":
+            shapes |= {
+                p + "self_attn.q_norm.weight": (h,),
+                p + "self_attn.k_norm.weight": (kv,),
+                p + "post_feedforward_layernorm.weight": (h,),
+            }
+        else:
+            shapes[p + "input_layernorm.weight"] = (h,)
     return shapes

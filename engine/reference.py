@@ -71,6 +71,8 @@ class ReferenceOpusLM:
 
     def forward(self, x: torch.Tensor, start_pos: int, cache: _KVCache) -> torch.Tensor:
         """x [T, H] input embeddings at positions start_pos.. -> final hidden states [T, H]."""
+        if self.cfg.backbone == "olmo2":
+            return self._forward_olmo2(x, start_pos, cache)
         cfg, w = self.cfg, self.w
         t = x.shape[0]
         positions = torch.arange(start_pos, start_pos + t, device=self.device)
@@ -96,6 +98,35 @@ class ReferenceOpusLM:
             gate = F.linear(hn, w[p + "mlp.gate_proj.weight"])
             up = F.linear(hn, w[p + "mlp.up_proj.weight"])
             x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+        return self._rms(x, "model.norm.weight")
+
+    def _forward_olmo2(self, x: torch.Tensor, start_pos: int, cache: _KVCache) -> torch.Tensor:
+        """OLMo-2 layers (HF `Olmo2DecoderLayer`): q/k RMSNorm over the whole projection before
+        RoPE, no input norm, and the residual adds the *normed* attention and MLP outputs:
+            x = x + post_attention_layernorm(attn(x)); x = x + post_feedforward_layernorm(mlp(x))
+        """
+        cfg, w = self.cfg, self.w
+        t = x.shape[0]
+        positions = torch.arange(start_pos, start_pos + t, device=self.device)
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            q = self._rms(F.linear(x, w[p + "self_attn.q_proj.weight"]), p + "self_attn.q_norm.weight")
+            k = self._rms(F.linear(x, w[p + "self_attn.k_proj.weight"]), p + "self_attn.k_norm.weight")
+            v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(t, nkv, d)
+            q, k = self._rope(q.view(t, nh, d), positions), self._rope(k.view(t, nkv, d), positions)
+            k_all, v_all = cache.append(i, k, v)
+            k_all = k_all.repeat_interleave(nh // nkv, dim=1)
+            v_all = v_all.repeat_interleave(nh // nkv, dim=1)
+            scores = torch.einsum("thd,shd->hts", q, k_all) / math.sqrt(d)
+            causal = torch.arange(k_all.shape[0], device=self.device)[None, :] <= positions[:, None]
+            scores = scores.masked_fill(~causal[None], float("-inf"))
+            attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v_all).reshape(t, nh * d)
+            x = x + self._rms(F.linear(attn, w[p + "self_attn.o_proj.weight"]), p + "post_attention_layernorm.weight")
+            gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
+            up = F.linear(x, w[p + "mlp.up_proj.weight"])
+            mlp = F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+            x = x + self._rms(mlp, p + "post_feedforward_layernorm.weight")
         return self._rms(x, "model.norm.weight")
 
     # --- generation ----------------------------------------------------------------------------

@@ -21,13 +21,13 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-from vllm.model_executor.models.llama import LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 
 from engine import heads
 from engine.checkpoint import NUM_HEAD_EMB
 from engine.request import WorkerRequestSpec
 from engine.sampling import SamplingConfig, sample_rows
+from engine.vllm_plugin.backbones import make_backbone
 from engine.vllm_plugin.stream_state import StepBatch, StreamStateStore
 
 
@@ -39,7 +39,7 @@ class OpusLMForCausalLM(nn.Module):
             raise ValueError("OpusLM runs with tensor_parallel_size=1")
         self.config = config
         self.vocab_size = config.vocab_size
-        self.model = LlamaModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.model = make_backbone(vllm_config, maybe_prefix(prefix, "model"), config.opuslm["backbone"])
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
         )
