@@ -1,0 +1,230 @@
+"""The ESPnet converter without vLLM: refusals (each names what is wrong), the CLI, dtypes, the
+backbone config from a local Hugging Face cache, the codec rename and the text tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from engine import vocab
+from engine.checkpoint import load_config
+from engine.cli import main as cli_main
+from engine.convert import ConversionError, convert_espnet
+from engine.text import NoTextTokenizerError, TextTokenizer
+
+from espnet_layout import TEXT_SIZE, hf_config, write_espnet_checkpoint
+
+SENTENCES = ["hello there how are you", "i am fine thank you", "what is the weather like today"]
+
+
+@pytest.fixture(scope="module")
+def base_exp(tmp_path_factory) -> Path:
+    exp = tmp_path_factory.mktemp("espnet") / "exp"
+    write_espnet_checkpoint(exp, "llama", seed=5)
+    return exp
+
+
+@pytest.fixture
+def exp(base_exp, tmp_path) -> Path:
+    dst = tmp_path / "exp"
+    shutil.copytree(base_exp, dst)
+    return dst
+
+
+def _edit_state(exp: Path, fn) -> None:
+    sd = torch.load(exp / "model.pth", weights_only=True)
+    fn(sd)
+    torch.save(sd, exp / "model.pth")
+
+
+def _refusal(exp: Path, tmp_path: Path, match: str) -> None:
+    with pytest.raises(ConversionError, match=match):
+        convert_espnet(exp, tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+def test_refuses_missing_tensor(exp, tmp_path) -> None:
+    _edit_state(exp, lambda sd: sd.pop("corelm.decoders.model.layers.1.mlp.up_proj.weight"))
+    _refusal(exp, tmp_path, r"missing 'corelm\.decoders\.model\.layers\.1\.mlp\.up_proj\.weight'")
+
+
+def test_refuses_wrong_shape(exp, tmp_path) -> None:
+    def cut(sd):
+        sd["corelm.head_emb.weight"] = sd["corelm.head_emb.weight"][:9]
+
+    _edit_state(exp, cut)
+    _refusal(exp, tmp_path, r"'corelm\.head_emb\.weight' has shape \(9, 128\), expected \(12, 128\)")
+
+
+@pytest.mark.parametrize("key", ["corelm.aux_lm_head.weight", "reflm.emb.weight", "corelm.decoders.model.layers.0.extra.weight"])
+def test_refuses_unknown_key(exp, tmp_path, key) -> None:
+    _edit_state(exp, lambda sd: sd.__setitem__(key, torch.zeros(3)))
+    _refusal(exp, tmp_path, rf"unexpected checkpoint key '{key}'")
+
+
+def test_refuses_unknown_backbone(exp, tmp_path) -> None:
+    cfg = hf_config("llama").to_dict() | {"model_type": "qwen2"}
+    (exp / "backbone" / "config.json").write_text(__import__("json").dumps(cfg))
+    _refusal(exp, tmp_path, r"unknown backbone model_type 'qwen2'")
+
+
+def test_refuses_token_list_mismatch(exp, tmp_path) -> None:
+    conf = yaml.safe_load((exp / "config.yaml").read_text())
+    conf["token_list"][vocab.TEXT_BPE], conf["token_list"][vocab.CODEC_SSL] = (
+        conf["token_list"][vocab.CODEC_SSL],
+        conf["token_list"][vocab.TEXT_BPE],
+    )
+    (exp / "config.yaml").write_text(yaml.safe_dump(conf))
+    _refusal(exp, tmp_path, r"token_list\[34\] is '<text_bpe_start/end>', engine/vocab.py expects <codec_ssl_start/end>")
+
+
+def test_refuses_missing_backbone_config(exp, tmp_path) -> None:
+    shutil.rmtree(exp / "backbone")
+    _refusal(exp, tmp_path, r"backbone config for 'backbone' not found.*--backbone-config")
+
+
+# --- CLI and outputs -----------------------------------------------------------------------------
+
+
+def test_cli_bad_input_exit_2_one_line(exp, tmp_path, capsys) -> None:
+    _edit_state(exp, lambda sd: sd.__setitem__("corelm.unknown", torch.zeros(1)))
+    assert cli_main(["convert", "espnet", str(exp), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("duplex convert: error: unexpected checkpoint key 'corelm.unknown'")
+    assert "\n" not in err and "Traceback" not in err
+    assert cli_main(["convert", "espnet", str(tmp_path / "nope"), str(tmp_path / "out2")]) == 2
+
+
+def test_cli_bf16_epoch_file_and_backbone_override(exp, tmp_path, capsys) -> None:
+    (exp / "model.pth").rename(exp / "2epoch.pth")
+    bb = tmp_path / "elsewhere"
+    shutil.move(exp / "backbone", bb)
+    out = tmp_path / "out"
+    rc = cli_main(["convert", "espnet", str(exp), str(out), "--backbone-config", str(bb / "config.json")])
+    assert rc == 0, capsys.readouterr().err
+    assert "llama backbone" in capsys.readouterr().out
+    tensors = load_file(str(out / "model.safetensors"))
+    src = torch.load(exp / "2epoch.pth", weights_only=True)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert torch.equal(tensors["model.layers.0.self_attn.q_proj.weight"],
+                       src["corelm.decoders.model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16))
+    cfg = load_config(out)
+    assert (cfg.backbone, cfg.torch_dtype, cfg.text_size, cfg.rope_theta) == ("llama", "bfloat16", TEXT_SIZE, 130000.0)
+    assert cfg.max_position_embeddings == 512  # transformer_conf.n_ctx
+    assert cli_main(["convert", "espnet", str(exp), str(out)]) == 2  # out is not empty
+
+
+def test_backbone_config_from_local_hf_cache(exp, tmp_path) -> None:
+    """A hub id in hf_model_tag resolves from the local Hugging Face cache only."""
+    cache = tmp_path / "hub"
+    snap = cache / "models--allenai--OLMo-2-tiny" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(hf_config("olmo2").to_json_string())
+    (cache / "models--allenai--OLMo-2-tiny" / "refs").mkdir()
+    (cache / "models--allenai--OLMo-2-tiny" / "refs" / "main").write_text("abc123")
+    shutil.rmtree(exp)
+    write_espnet_checkpoint(exp, "olmo2", seed=6)
+    conf = yaml.safe_load((exp / "config.yaml").read_text())
+    conf["transformer_conf"]["hf_model_tag"] = "allenai/OLMo-2-tiny"
+    (exp / "config.yaml").write_text(yaml.safe_dump(conf))
+    report = convert_espnet(exp, tmp_path / "out", dtype="fp32", hf_cache_dir=cache)
+    assert report.backbone == "olmo2" and report.backbone_source == str(snap / "config.json")
+    assert load_config(tmp_path / "out").rms_norm_eps == 1e-6  # the backbone's own value
+    with pytest.raises(ConversionError, match="not in the local Hugging Face cache"):
+        convert_espnet(exp, tmp_path / "out2", hf_cache_dir=tmp_path / "empty")
+
+
+# --- codec -----------------------------------------------------------------------------------------
+
+
+def _espnet_codec(codec_dir: Path) -> dict[str, torch.Tensor]:
+    """Our tiny DAC written under ESPnet's names: `codec.generator.` prefix, old-style weight norm
+    on the decoder, EMA codebook state and a discriminator tensor to be dropped."""
+    from engine.codec.dac import DAC
+    from engine.codec.tiny import TINY_DAC
+
+    torch.manual_seed(0)
+    ours = DAC(TINY_DAC).state_dict()
+    sd: dict[str, torch.Tensor] = {}
+    for k, v in ours.items():
+        name = k
+        if k.startswith("decoder.") and "parametrizations.weight.original" in k:
+            name = k.replace("parametrizations.weight.original0", "weight_g").replace(
+                "parametrizations.weight.original1", "weight_v"
+            )
+        sd["codec.generator." + name] = v.clone()
+        if k.endswith("_codebook.embed"):
+            base = "codec.generator." + k[: -len("embed")]
+            sd[base + "embed_avg"] = v.clone()
+            sd[base + "cluster_size"] = torch.ones(v.shape[0])
+            sd[base + "inited"] = torch.ones(1)
+    sd["codec.discriminator.msmpmb.0.weight"] = torch.zeros(2, 2)
+    codec_dir.mkdir(parents=True)
+    gen = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(TINY_DAC).items()}
+    sr = gen.pop("sample_rate_hz")
+    gen |= {"encdec_activation": "Snake", "encdec_norm": "weight_norm", "encdec_causal": False}
+    conf = {"codec": "dac", "codec_conf": {"sampling_rate": sr, "generator_params": gen}}
+    (codec_dir / "config.yaml").write_text(yaml.safe_dump(conf))
+    torch.save(sd, codec_dir / "360epoch.pth")
+    return ours
+
+
+def test_codec_rename_loads_into_dac(exp, tmp_path) -> None:
+    from engine.codec.dac import DAC
+
+    ours = _espnet_codec(exp / "codec")
+    convert_espnet(exp, tmp_path / "out", dtype="fp32")
+    got = DAC.from_dir(tmp_path / "out", fuse=False).state_dict()
+    assert set(got) == set(ours)
+    assert all(torch.equal(got[k], ours[k]) for k in ours)
+
+
+def test_codec_refuses_snake_alpha(exp, tmp_path) -> None:
+    _espnet_codec(exp / "codec")
+    sd = torch.load(exp / "codec" / "360epoch.pth", weights_only=True)
+    sd["codec.generator.decoder.model.1.alpha"] = torch.ones(1, 8, 1)
+    torch.save(sd, exp / "codec" / "360epoch.pth")
+    _refusal(exp, tmp_path, r"codec tensor 'codec\.generator\.decoder\.model\.1\.alpha'")
+
+
+# --- text tokenizer ------------------------------------------------------------------------------
+
+
+def _word_tokenizer(path: Path) -> list[str]:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.save(str(path))
+    return [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+
+
+def test_text_tokenizer_written_and_shifted(exp, tmp_path) -> None:
+    words = _word_tokenizer(exp / "backbone" / "tokenizer.json")
+    convert_espnet(exp, tmp_path / "out", dtype="fp32")
+    tok = TextTokenizer.from_dir(tmp_path / "out")
+    ids = tok.encode("how is the weather")
+    assert ids.dtype == np.int64 and tok.is_text(ids).all()
+    assert list(ids - vocab.TEXT_OFFSET) == [words.index(w) for w in ("how", "is", "the", "weather")]
+    assert tok.decode(ids) == "how is the weather"
+    with pytest.raises(ValueError, match="not a text id"):
+        tok.decode([vocab.SOS_EOS])
+    with pytest.raises(ValueError, match="not a text id"):
+        tok.decode([vocab.TEXT_OFFSET + TEXT_SIZE])
+
+
+def test_tiny_model_has_no_text_tokenizer(tiny_model) -> None:
+    with pytest.raises(NoTextTokenizerError, match="this model has no text tokenizer"):
+        TextTokenizer.from_dir(tiny_model)
