@@ -19,15 +19,15 @@ from engine.cli import main as cli_main
 from engine.convert import ConversionError, convert_espnet
 from engine.text import NoTextTokenizerError, TextTokenizer
 
-from espnet_layout import TEXT_SIZE, hf_config, write_espnet_checkpoint
-
+TEXT_SIZE = 64  # tests/convert/conftest.py
 SENTENCES = ["hello there how are you", "i am fine thank you", "what is the weather like today"]
 
 
 @pytest.fixture(scope="module")
-def base_exp(tmp_path_factory) -> Path:
+def base_exp(tmp_path_factory, espnet_layout) -> Path:
+    assert espnet_layout.TEXT_SIZE == TEXT_SIZE
     exp = tmp_path_factory.mktemp("espnet") / "exp"
-    write_espnet_checkpoint(exp, "llama", seed=5)
+    espnet_layout.write_espnet_checkpoint(exp, "llama", seed=5)
     return exp
 
 
@@ -72,8 +72,8 @@ def test_refuses_unknown_key(exp, tmp_path, key) -> None:
     _refusal(exp, tmp_path, rf"unexpected checkpoint key '{key}'")
 
 
-def test_refuses_unknown_backbone(exp, tmp_path) -> None:
-    cfg = hf_config("llama").to_dict() | {"model_type": "qwen2"}
+def test_refuses_unknown_backbone(exp, tmp_path, espnet_layout) -> None:
+    cfg = espnet_layout.hf_config("llama").to_dict() | {"model_type": "qwen2"}
     (exp / "backbone" / "config.json").write_text(__import__("json").dumps(cfg))
     _refusal(exp, tmp_path, r"unknown backbone model_type 'qwen2'")
 
@@ -124,16 +124,16 @@ def test_cli_bf16_epoch_file_and_backbone_override(exp, tmp_path, capsys) -> Non
     assert cli_main(["convert", "espnet", str(exp), str(out)]) == 2  # out is not empty
 
 
-def test_backbone_config_from_local_hf_cache(exp, tmp_path) -> None:
+def test_backbone_config_from_local_hf_cache(exp, tmp_path, espnet_layout) -> None:
     """A hub id in hf_model_tag resolves from the local Hugging Face cache only."""
     cache = tmp_path / "hub"
     snap = cache / "models--allenai--OLMo-2-tiny" / "snapshots" / "abc123"
     snap.mkdir(parents=True)
-    (snap / "config.json").write_text(hf_config("olmo2").to_json_string())
+    (snap / "config.json").write_text(espnet_layout.hf_config("olmo2").to_json_string())
     (cache / "models--allenai--OLMo-2-tiny" / "refs").mkdir()
     (cache / "models--allenai--OLMo-2-tiny" / "refs" / "main").write_text("abc123")
     shutil.rmtree(exp)
-    write_espnet_checkpoint(exp, "olmo2", seed=6)
+    espnet_layout.write_espnet_checkpoint(exp, "olmo2", seed=6)
     conf = yaml.safe_load((exp / "config.yaml").read_text())
     conf["transformer_conf"]["hf_model_tag"] = "allenai/OLMo-2-tiny"
     (exp / "config.yaml").write_text(yaml.safe_dump(conf))

@@ -5,26 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import start_engine
-from parity import check_reference, check_vllm, convert_tiny
-
 BACKBONE = "llama"
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    return convert_tiny(tmp_path_factory.mktemp(BACKBONE), BACKBONE, seed=3)
+def converted(tmp_path_factory, espnet_layout):
+    return espnet_layout.convert_tiny(tmp_path_factory.mktemp(BACKBONE), BACKBONE, seed=3)
 
 
-def test_reference_matches_espnet_forward(converted) -> None:
-    check_reference(*converted)
+def test_reference_matches_espnet_forward(converted, espnet_layout) -> None:
+    espnet_layout.check_reference(*converted)
 
 
 @pytest.mark.vllm
-def test_vllm_matches_espnet_forward(converted, loop_thread) -> None:
+def test_vllm_matches_espnet_forward(converted, espnet_layout, loop_thread) -> None:
     model_dir, oracle = converted
-    engine = start_engine(loop_thread, model=str(model_dir), max_num_seqs=4)
-    try:
-        check_vllm(engine, loop_thread, oracle)
-    finally:
-        engine.shutdown()
+    espnet_layout.check_vllm(model_dir, loop_thread, oracle)

@@ -1,4 +1,6 @@
-"""A tiny OpusLM checkpoint written in ESPnet's own layout, and ESPnet's forward computed from it.
+"""Helpers for tests/convert, reached through the `espnet_layout` fixture (this module).
+
+A tiny OpusLM checkpoint written in ESPnet's own layout, and ESPnet's forward computed from it.
 
 The layout follows ESPnet's code (not installed here): `ESPnetSpeechLMModel.corelm` is an
 `ARDelayLM` (`core_lm/ar_parallel.py`): `emb` = Embedding(V, H, padding_idx=0), `lm_head` =
@@ -17,10 +19,12 @@ each stream's range, with the engine's delay/flush schedule for a fixed number o
 
 from __future__ import annotations
 
-import json
+import asyncio
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import yaml
 
@@ -178,5 +182,55 @@ class EspnetOracle:
         return np.stack(steps)
 
 
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj))
+FRAMES = (6, 11, 9)  # per parity request; min = max, so stream 0's EOS step is fixed
+
+
+def convert_tiny(tmp: Path, backbone: str, seed: int) -> tuple[Path, EspnetOracle]:
+    from engine.convert import convert_espnet
+
+    sd = write_espnet_checkpoint(tmp / "exp", backbone, seed=seed, deepspeed=backbone == "olmo2")
+    convert_espnet(tmp / "exp", tmp / "out", dtype="fp32")
+    return tmp / "out", EspnetOracle(backbone, sd)
+
+
+def parity_requests() -> list:
+    from engine.prompt import synthetic_prompt
+    from engine.request import AudioRequest
+    from engine.sampling import GREEDY
+
+    return [AudioRequest(synthetic_prompt(i, 10 + 3 * i), f, f, GREEDY) for i, f in enumerate(FRAMES)]
+
+
+def check_reference(model_dir: Path, oracle: EspnetOracle) -> None:
+    from engine.reference import ReferenceOpusLM
+
+    ref = ReferenceOpusLM.from_dir(model_dir)
+    for i, req in enumerate(parity_requests()):
+        want = oracle.greedy(req.prompt, req.max_frames)
+        got = ref.generate(req).steps
+        assert np.array_equal(got, want), f"request {i}: reference != ESPnet forward"
+
+
+def check_vllm(model_dir: Path, loop_thread, oracle: EspnetOracle) -> None:
+    """One vLLM engine on the converted checkpoint; concurrent greedy requests == ESPnet."""
+    from engine.async_engine import AsyncOpusEngine, EngineConfig
+
+    engine = loop_thread.run(AsyncOpusEngine.start(EngineConfig(model=str(model_dir), max_num_seqs=4)))
+    reqs = parity_requests()
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(r) for r in reqs))
+
+    try:
+        gens = loop_thread.run(run())
+    finally:
+        engine.shutdown()
+    for i, (req, gen) in enumerate(zip(reqs, gens)):
+        want = oracle.greedy(req.prompt, req.max_frames)
+        assert np.array_equal(gen.steps, want), f"request {i}: vLLM != ESPnet forward"
+
+
+@pytest.fixture(scope="session")
+def espnet_layout():
+    """This module: the ESPnet-layout writer, ESPnet's forward and the parity checks."""
+    return sys.modules[__name__]
