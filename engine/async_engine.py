@@ -38,6 +38,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     log_stats: bool = False  # per-request vLLM stats (e.g. preemption counts)
+    pacing_lead_ms: float = 500.0  # realtime requests run at most this far ahead of playback
     seed: int = 0
     dtype: str = "float32"
     extra_engine_args: dict = field(default_factory=dict)
@@ -52,6 +53,8 @@ class StepChunk:
     finished: bool
     num_preemptions: int = 0  # so far; known only when EngineConfig.log_stats is on
     num_cached_tokens: int = 0  # prompt positions served from the prefix cache
+    engine_step_ms: float = 0.0  # duration of the engine step that produced the latest step
+    engine_batch: int = 0  # requests in that step
 
 
 def _set_vllm_env(cfg: EngineConfig) -> None:
@@ -87,6 +90,7 @@ def engine_args(cfg: EngineConfig):
         enable_chunked_prefill=cfg.enable_chunked_prefill,
         async_scheduling=False,  # the runner's hooks read each step's rows synchronously
         disable_log_stats=not cfg.log_stats,
+        additional_config={"opuslm": {"pacing_lead_ms": cfg.pacing_lead_ms}},
     )
     if cfg.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
@@ -165,12 +169,15 @@ class AsyncOpusEngine:
             else:
                 steps = np.empty((0, vocab.NUM_STREAMS), dtype=np.int64)
             preempted = getattr(out.metrics, "num_preemptions", 0) if out.metrics is not None else 0
+            timing = (out.kv_transfer_params or {}).get("opuslm_step") or {}
             yield StepChunk(
                 first_step=num_steps,
                 steps=steps,
                 finished=out.finished,
                 num_preemptions=preempted,
                 num_cached_tokens=out.num_cached_tokens or 0,
+                engine_step_ms=float(timing.get("ms", 0.0)),
+                engine_batch=int(timing.get("batch", 0)),
             )
             num_steps += len(toks)
 

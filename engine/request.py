@@ -39,6 +39,9 @@ class AudioRequest:
     # stream 0 only, so sharing is safe only where equal stream-0 prefixes imply equal aux streams.
     cache_salt: str | None = None
     prefill_only: bool = False  # compute the prompt's KV (for later reuse) and stop
+    # Played as it is generated: the scheduler orders it by playback deadline and keeps it a
+    # bounded lead ahead of real time (vllm_plugin/scheduler.py). Offline requests run flat out.
+    realtime: bool = False
 
     def __post_init__(self) -> None:
         p = np.asarray(self.prompt)
@@ -67,6 +70,7 @@ class AudioRequest:
                 "aux": aux.tobytes(),
                 "min_frames": int(self.min_frames),
                 "max_frames": int(self.max_frames),
+                "realtime": bool(self.realtime),
             }
         }
 

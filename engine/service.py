@@ -19,7 +19,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -67,6 +66,7 @@ class EngineServiceConfig:
     chunk_frames: int = 16
     codec_max_batch: int = 16
     first_audio_budget_ms: float = 60.0  # the first chunk's deadline after its frames exist
+    pacing_lead_ms: float = 500.0  # generation runs at most this far ahead of playback
     capacity_margin: float = 0.8
     capacity_override: int | None = None  # a fixed capacity instead of the measured one
     warmup: bool = True
@@ -206,6 +206,7 @@ class Conversation:
                 min_frames=1,
                 sampling=self._sampling,
                 cache_salt=self._salt,
+                realtime=True,
             )
             response.pump = asyncio.ensure_future(self._engine._run_response(self, request, response))
             async for chunk in self._drain(response):
@@ -335,6 +336,7 @@ class Engine:
                 max_num_seqs=cfg.max_num_seqs,
                 kv_cache_gib=cfg.kv_cache_gib,
                 block_size=cfg.kv_block_size,
+                pacing_lead_ms=cfg.pacing_lead_ms,
                 enforce_eager=cfg.enforce_eager,
                 seed=cfg.seed,
             )
@@ -347,19 +349,19 @@ class Engine:
         """Measure step time at a few batch sizes (admission control starts from these)."""
         from engine.prompt import synthetic_prompt
 
-        for batch in sorted({1, min(4, self._capacity.max_conversations), min(8, self._capacity.max_conversations)}):
+        top = self._capacity.max_conversations
+        for batch in sorted({1, min(4, top), min(8, top)}):
             reqs = [AudioRequest(synthetic_prompt(i, 10), 24, 24, SamplingConfig(temperature=0.0)) for i in range(batch)]
-            stamps: list[list[float]] = [[] for _ in reqs]
+            step_ms: list[float] = []
 
-            async def run(i: int, r: AudioRequest) -> None:
+            async def run(r: AudioRequest) -> None:
                 async for chunk in self.llm.stream_steps(r):
-                    stamps[i].extend([time.perf_counter()] * len(chunk.steps))
+                    if chunk.first_step > 1 and chunk.engine_batch == batch:
+                        step_ms.append(chunk.engine_step_ms)
 
-            await asyncio.gather(*(run(i, r) for i, r in enumerate(reqs)))
-            # steady-state decode: skip the prefill step and the first decode step
-            span = [s[-1] - s[2] for s in stamps if len(s) > 3]
-            if span:
-                self._capacity.observe(batch, 1000.0 * max(span) / (len(stamps[0]) - 3))
+            await asyncio.gather(*(run(r) for r in reqs))
+            if step_ms:
+                self._capacity.observe(batch, float(np.median(step_ms)))
         log.info("engine warm: step ms by batch %s, capacity %d", self._capacity.step_ms, self._capacity.capacity())
 
     # --- conversations -----------------------------------------------------------------------
@@ -444,15 +446,11 @@ class Engine:
 
         self._codec.open(response.id, sink)
         assembler = FrameAssembler()
-        last_t: float | None = None
         try:
             async for step_chunk in self.llm.stream_steps(request, response.id):
                 conv.cached_tokens_last_response = max(conv.cached_tokens_last_response, step_chunk.num_cached_tokens)
-                now = time.perf_counter()
-                if last_t is not None and len(step_chunk.steps):
-                    responding = sum(1 for c in self._conversations.values() if c._response is not None)
-                    self._capacity.observe(responding, 1000.0 * (now - last_t) / len(step_chunk.steps))
-                last_t = now
+                if step_chunk.first_step > 0:  # decode steps only: the first one carries the prefill
+                    self._capacity.observe(step_chunk.engine_batch, step_chunk.engine_step_ms)
                 new = [assembler.push(row) for row in step_chunk.steps]
                 frames = np.concatenate(new) if new else np.zeros((0, vocab.NUM_STREAMS), np.int64)
                 if len(frames):

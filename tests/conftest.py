@@ -51,6 +51,12 @@ def start_engine(loop_thread: LoopThread, **cfg_kwargs):
 
 
 @pytest.fixture(scope="session")
+def engine_factory(loop_thread: LoopThread):
+    """Start an extra AsyncOpusEngine on the shared loop: `engine_factory(model=..., ...)`."""
+    return lambda **cfg_kwargs: start_engine(loop_thread, **cfg_kwargs)
+
+
+@pytest.fixture(scope="session")
 def vllm_engine(loop_thread: LoopThread, tiny_model: Path):
     engine = start_engine(loop_thread, model=str(tiny_model), max_num_seqs=32)
     yield engine

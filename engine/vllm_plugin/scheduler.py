@@ -1,18 +1,106 @@
-"""Scheduler subclass: forward each row's aux ids from the runner to the request's output.
+"""Scheduler subclass: aux-id export, and streaming-aware ordering of realtime requests.
 
-vLLM's scheduler already slices `ModelRunnerOutput.sampling_masks` per request into
-`EngineCoreOutput.new_sampling_mask` when `return_sampling_mask` is on, and the output path
-concatenates those per token -- also when it merges deltas for a consumer that lags. We turn the
-slicing on here only, in the engine core; the front-end's model config keeps it off, so its
-request validation for sampling-mask replay does not apply to our requests.
+1. Aux ids. vLLM's scheduler already slices `ModelRunnerOutput.sampling_masks` per request into
+   `EngineCoreOutput.new_sampling_mask` when `return_sampling_mask` is on, and the output path
+   concatenates those per token -- also when it merges deltas for a consumer that lags. We turn
+   the slicing on here only, in the engine core; the front-end's model config keeps it off, so
+   its request validation for sampling-mask replay does not apply to our requests.
+
+2. Deadlines (VoxServe's idea: a chunk is either in time or not, so slack is spent on others).
+   A realtime request's audio plays from the moment its first frame exists; its slack is how far
+   the audio generated so far runs ahead of the wall clock. Each step the running queue is
+   ordered by slack, least first, so when the token budget or the KV cache runs short the
+   tightest deadlines are served and the most comfortable request is the one preempted; a
+   response's first frames count as most urgent (time to first audio). Requests further ahead
+   than `pacing_lead_ms` sit the step out: generation stays a bounded lead ahead of playback, the
+   others get a smaller, faster batch, and a barge-in throws little away.
+
+3. Step timing. Each step's duration (schedule to outputs) and batch size ride on the outputs'
+   `kv_transfer_params` (unused without a KV connector) so the service's admission control
+   measures the engine itself, not the gaps that pacing puts between a request's steps.
 """
 
 from __future__ import annotations
 
+import math
+import time
+
 from vllm.v1.core.sched.scheduler import Scheduler
+
+from engine.delay import MAX_DELAY
+from engine.request import EXTRA_ARGS_KEY
+
+FRAME_S = 0.020
+# Output tokens before a response's first audio chunk can be decoded: the delay, a 4-frame first
+# chunk and the codec's 2-frame lookahead. Until then a response is as urgent as it gets.
+URGENT_TOKENS = MAX_DELAY + 4 + 2
+DEFAULT_PACING_LEAD_MS = 500.0
+STEP_TIMING_KEY = "opuslm_step"
+
+
+def order_by_slack(slacks: list[float], lead_s: float) -> tuple[list[int], list[int]]:
+    """Indices to schedule (least slack first, stable) and indices to hold (slack > lead_s)."""
+    held = [i for i, s in enumerate(slacks) if s > lead_s]
+    held_set = set(held)
+    active = sorted((i for i in range(len(slacks)) if i not in held_set), key=lambda i: slacks[i])
+    return active, held
 
 
 class OpusScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.return_sampling_mask = True
+        extra = (self.vllm_config.additional_config or {}).get("opuslm", {})
+        self.pacing_lead_s = float(extra.get("pacing_lead_ms", DEFAULT_PACING_LEAD_MS)) / 1000.0
+        self._first_frame_at: dict[str, float] = {}  # realtime request -> when frame 0 existed
+        self._step_started = time.monotonic()
+        self._realtime: dict[str, bool] = {}
+
+    def _is_realtime(self, request) -> bool:
+        rid = request.request_id
+        if rid not in self._realtime:
+            block = ((request.sampling_params.extra_args or {}) if request.sampling_params else {}).get(EXTRA_ARGS_KEY) or {}
+            self._realtime[rid] = bool(block.get("realtime"))
+        return self._realtime[rid]
+
+    def slack_s(self, request, now: float) -> float:
+        """Seconds of generated audio ahead of playback; 0 for offline requests."""
+        if not self._is_realtime(request):
+            return 0.0
+        started = self._first_frame_at.get(request.request_id)
+        if started is None or request.num_output_tokens < URGENT_TOKENS:
+            return -math.inf
+        return started + (request.num_output_tokens - MAX_DELAY) * FRAME_S - now
+
+    def schedule(self, *args, **kwargs):
+        now = self._step_started = time.monotonic()
+        running = self.running
+        active, held = order_by_slack([self.slack_s(r, now) for r in running], self.pacing_lead_s)
+        held_reqs = [running[i] for i in held]
+        self.running = [running[i] for i in active]
+        # held requests keep their runner slots: admit fewer new ones meanwhile
+        saved_active = self.max_num_active_reqs
+        self.max_num_active_reqs = max(saved_active - len(held_reqs), 0)
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_active_reqs = saved_active
+            self.running = self.running + held_reqs
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        now = time.monotonic()
+        timing = {STEP_TIMING_KEY: {"ms": 1000.0 * (now - self._step_started),
+                                    "batch": len(scheduler_output.num_scheduled_tokens)}}
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                out.kv_transfer_params = timing
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is not None and rid not in self._first_frame_at and req.num_output_tokens > MAX_DELAY:
+                if self._is_realtime(req):
+                    self._first_frame_at[rid] = now
+        if len(self._realtime) > 2 * max(len(self.requests), 64):
+            self._first_frame_at = {k: v for k, v in self._first_frame_at.items() if k in self.requests}
+            self._realtime = {k: v for k, v in self._realtime.items() if k in self.requests}
+        return outputs

@@ -14,8 +14,6 @@ from engine.reference import ReferenceOpusLM
 from engine.request import AudioRequest
 from engine.sampling import GREEDY, SamplingConfig
 
-from conftest import start_engine
-
 pytestmark = pytest.mark.vllm
 
 
@@ -102,10 +100,10 @@ def test_slow_consumer_loses_no_step(vllm_engine, loop_thread, ref) -> None:
     assert_same_steps(steps, ref.generate(req).steps, "slow consumer")
 
 
-def test_greedy_parity_under_preemption(loop_thread, tiny_model, ref) -> None:
+def test_greedy_parity_under_preemption(loop_thread, engine_factory, tiny_model, ref) -> None:
     # 8 requests of ~200-300 tokens each need ~2 blocks of 128; 6 blocks force preemptions
-    engine = start_engine(
-        loop_thread, model=str(tiny_model), max_num_seqs=8, num_kv_blocks=6, max_model_len=512, log_stats=True
+    engine = engine_factory(
+        model=str(tiny_model), block_size=128, max_num_seqs=8, num_kv_blocks=6, max_model_len=512, log_stats=True
     )
     try:
         reqs = [
