@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
-from rt_helpers import espeak
+
+# tests/ has no packages and pytest may run with --import-mode=importlib: make rt_helpers importable.
+sys.path.insert(0, str(Path(__file__).parent))
+from rt_helpers import espeak  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,83 @@
+"""`duplex serve`: start the engine (tiny default model when none is given), then the gateway."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import secrets
+import signal
+
+from realtime.config import ServerConfig, load_config, with_overrides
+
+log = logging.getLogger("duplex.serve")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the realtime gateway (WebSocket /v1/realtime, /metrics, /healthz)",
+                              description=__doc__)
+    p.add_argument("--config", help="YAML config (configs/server.yaml); flags override its keys")
+    p.add_argument("--host", help="server.host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="server.port (default 8000; 0 = any free port)")
+    p.add_argument("--token", help="server.token: bearer token clients must send (default: random, printed)")
+    p.add_argument("--model", help="engine.model: checkpoint directory (default: the cached tiny model)")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.set_defaults(func=run)
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    cfg = load_config(args.config)
+    cfg = with_overrides(cfg, **{"server.host": args.host, "server.port": args.port, "server.token": args.token})
+    if args.model is not None:
+        cfg = dataclasses.replace(cfg, engine={**cfg.engine, "model": args.model})
+    return cfg
+
+
+def engine_config(cfg: ServerConfig):
+    """The `engine` section as an EngineServiceConfig; unknown keys and bad types name the key."""
+    from engine.service import EngineServiceConfig
+
+    fields = {f.name: f for f in dataclasses.fields(EngineServiceConfig)}
+    for key, value in cfg.engine.items():
+        if key not in fields:
+            raise ValueError(f"config key 'engine.{key}': unknown key (known: {', '.join(sorted(fields))})")
+        default = fields[key].default
+        if value is not None and default is not None and default is not dataclasses.MISSING:
+            ok = isinstance(value, type(default)) or (isinstance(default, float) and isinstance(value, int))
+            if not ok or (isinstance(value, bool) and not isinstance(default, bool)):
+                raise ValueError(f"config key 'engine.{key}': expected {type(default).__name__}, got {value!r}")
+    return EngineServiceConfig(**cfg.engine)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = build_config(args)
+    ecfg = engine_config(cfg)
+    return asyncio.run(_serve(cfg, ecfg))
+
+
+async def _serve(cfg: ServerConfig, ecfg) -> int:
+    from engine.service import Engine
+    from realtime.server import Gateway
+
+    token = cfg.server.token or secrets.token_urlsafe(18)
+    log.info("starting the engine (model: %s)...", ecfg.model or "tiny default")
+    engine = await Engine.start(ecfg)
+    gw = Gateway(engine, cfg, token=token)
+    try:
+        await gw.start()
+        base = cfg.server.public_url or f"http://{cfg.server.host}:{gw.port}"
+        ws = base.replace("http", "ws", 1)
+        print(f"duplex serve: ready\n  demo page:  {base}/?token={token}\n  websocket:  {ws}/v1/realtime  "
+              f"(Authorization: Bearer {token})\n  metrics:    {base}/metrics   health: {base}/healthz", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down: closing %d sessions", len(gw.connections))
+    finally:
+        await gw.stop()
+        await engine.shutdown()
+    return 0

@@ -1,0 +1,188 @@
+"""Gateway configuration: `configs/server.yaml` loaded into frozen dataclasses.
+
+Every `duplex serve` flag has a key here (flag -> key: --host server.host, --port server.port,
+--token server.token, --model engine.model). Unknown keys and wrong types raise ValueError naming
+the key (`duplex serve` turns that into exit code 2). The `engine` section is passed to
+`engine.service.EngineServiceConfig` by field name, checked against its fields when the engine is
+built; everything else is checked here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token: str | None = None  # None: a random token is generated at start and printed
+    public_url: str | None = None  # how clients reach us (printed URLs); default http://host:port
+
+
+@dataclass(frozen=True)
+class LimitsSection:
+    max_message_bytes: int = 1 << 21  # one WebSocket message; larger ones close the socket with 1009
+    max_append_bytes: int = 1 << 20  # decoded audio in one input_audio_buffer.append
+    max_sessions: int | None = None  # gateway cap; None: the engine's admission control decides
+    inbound_queue: int = 256  # client messages + engine chunks waiting for the session task
+    outbound_queue: int = 512  # messages waiting for the socket; full => slow client, disconnected
+    idle_timeout_s: float = 300.0  # no client message (and no response running) for this long => closed
+    open_timeout_s: float = 10.0
+    close_timeout_s: float = 5.0
+    ping_interval_s: float | None = 20.0
+    ping_timeout_s: float | None = 20.0
+    max_turn_ms: float = 60_000.0  # client-committed turns (turn_detection null)
+
+
+@dataclass(frozen=True)
+class AudioSection:
+    lead_ms: float = 150.0  # output audio sent ahead of real time (bounds barge-in latency)
+    output_frame_ms: int = 40  # pcm16/G.711 delta size (Opus is always 20 ms)
+    opus_bitrate: int = 24_000
+    opus_complexity: int = 5
+
+
+@dataclass(frozen=True)
+class VadSection:
+    """The default turn detection of a new session (clients change it with session.update)."""
+
+    enabled: bool = True
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+    min_speech_ms: int = 64
+
+
+@dataclass(frozen=True)
+class SessionSection:
+    """Defaults of a new session's engine options (session.update overrides them)."""
+
+    instructions: str = ""
+    voice: str = "default"
+    temperature: float = 0.8
+    top_k: int = 30
+    top_p: float = 1.0
+    seed: int | None = None
+    cfg_scale: float = 1.0
+    max_response_ms: float = 10_000.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    server: ServerSection = field(default_factory=ServerSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
+    audio: AudioSection = field(default_factory=AudioSection)
+    vad: VadSection = field(default_factory=VadSection)
+    session: SessionSection = field(default_factory=SessionSection)
+    engine: dict = field(default_factory=dict)  # EngineServiceConfig fields (model: null = tiny model)
+
+
+def _check(value, annotation, key: str):
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _check(value, opt, key)
+            except ValueError as e:
+                errors.append(e)
+        raise errors[0]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is dict and isinstance(value, dict):
+        return dict(value)
+    if not isinstance(value, annotation) or (isinstance(value, bool) and annotation is not bool):
+        raise ValueError(f"config key '{key}': expected {annotation.__name__}, got {value!r}")
+    return value
+
+
+def _section(cls, data, key: str):
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ValueError(f"config key '{key}': expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            raise ValueError(f"config key '{key}.{k}': unknown key (known: {', '.join(sorted(names))})")
+    return cls(**{k: _check(v, hints[k], f"{key}.{k}") for k, v in data.items()})
+
+
+def config_from_dict(data: dict | None) -> ServerConfig:
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ValueError("config: the top level must be a mapping")
+    sections = {"server": ServerSection, "limits": LimitsSection, "audio": AudioSection, "vad": VadSection, "session": SessionSection}
+    for k in data:
+        if k not in sections and k != "engine":
+            raise ValueError(f"config key '{k}': unknown section (known: {', '.join(sorted([*sections, 'engine']))})")
+    engine = data.get("engine") or {}
+    if not isinstance(engine, dict):
+        raise ValueError(f"config key 'engine': expected a mapping, got {engine!r}")
+    cfg = ServerConfig(**{k: _section(cls, data.get(k), k) for k, cls in sections.items()}, engine=dict(engine))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: ServerConfig) -> None:
+    checks = [
+        ("server.port", 0 <= cfg.server.port <= 65535),
+        ("limits.max_message_bytes", cfg.limits.max_message_bytes >= 1024),
+        ("limits.max_append_bytes", cfg.limits.max_append_bytes >= 1),
+        ("limits.max_sessions", cfg.limits.max_sessions is None or cfg.limits.max_sessions >= 0),
+        ("limits.inbound_queue", cfg.limits.inbound_queue >= 1),
+        ("limits.outbound_queue", cfg.limits.outbound_queue >= 8),
+        ("limits.idle_timeout_s", cfg.limits.idle_timeout_s > 0),
+        ("audio.lead_ms", 0 <= cfg.audio.lead_ms <= 2000),
+        ("audio.output_frame_ms", cfg.audio.output_frame_ms in (10, 20, 40, 60, 80, 100)),
+        ("audio.opus_complexity", 0 <= cfg.audio.opus_complexity <= 10),
+        ("vad.threshold", 0.0 <= cfg.vad.threshold <= 1.0),
+        ("vad.silence_duration_ms", 0 <= cfg.vad.silence_duration_ms <= 10_000),
+        ("vad.prefix_padding_ms", 0 <= cfg.vad.prefix_padding_ms <= 10_000),
+        ("session.top_p", 0.0 < cfg.session.top_p <= 1.0),
+        ("session.max_response_ms", cfg.session.max_response_ms > 0),
+    ]
+    for key, ok in checks:
+        if not ok:
+            raise ValueError(f"config key '{key}': value out of range")
+
+
+def with_overrides(cfg: ServerConfig, **keys) -> ServerConfig:
+    """Apply dotted-key overrides (from CLI flags), e.g. with_overrides(cfg, **{"server.port": 9000}); None = keep."""
+    data = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("server", "limits", "audio", "vad", "session")}
+    data["engine"] = dict(cfg.engine)
+    for dotted, value in keys.items():
+        if value is None:
+            continue
+        section, name = dotted.split(".", 1)
+        data[section][name] = value
+    return config_from_dict(data)
+
+
+def load_config(path: str | Path | None) -> ServerConfig:
+    if path is None:
+        return ServerConfig()
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file not found: {path}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"config {path}: invalid YAML: {e}") from None
+    return config_from_dict(data)

@@ -1,0 +1,47 @@
+"""Prometheus metrics of the gateway (`GET /metrics`), one registry per server instance."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from realtime.session import SessionStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.sessions_active = Gauge("duplex_sessions_active", "Sessions open now", registry=r)
+        self.sessions_total = Counter("duplex_sessions", "Sessions accepted since start", registry=r)
+        self.sessions_refused = Counter("duplex_sessions_refused", "Sessions refused", ["reason"], registry=r)
+        self.ttfa = Histogram(
+            "duplex_time_to_first_audio_seconds", "End of user speech to the first audio frame sent",
+            buckets=(0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0), registry=r,
+        )
+        self.chunks_late = Counter("duplex_chunks_late", "Engine audio chunks received after their playback deadline", registry=r)
+        self.underruns = Counter("duplex_client_underruns", "Playback underruns reported by clients", registry=r)
+        self.barge_ins = Counter("duplex_barge_ins", "Responses interrupted by user speech", registry=r)
+        self.responses = Counter("duplex_responses", "Responses by final status", ["status"], registry=r)
+        self.client_errors = Counter("duplex_client_errors", "error events sent for bad client input", registry=r)
+        self.engine_step_ms = Gauge("duplex_engine_step_ms", "Recent engine step time", registry=r)
+        self.engine_batch = Gauge("duplex_engine_batch_size", "Recent mean engine batch size", registry=r)
+        self.engine_capacity = Gauge("duplex_engine_capacity", "Conversations the engine can serve in real time", registry=r)
+        self.engine_conversations = Gauge("duplex_engine_conversations", "Engine conversations open", registry=r)
+
+    def add_stats_delta(self, new: SessionStats, old: SessionStats) -> None:
+        """Count what one session did since its last snapshot."""
+        self.barge_ins.inc(new.barge_ins - old.barge_ins)
+        self.underruns.inc(new.underruns_reported - old.underruns_reported)
+        self.chunks_late.inc(new.chunks_late - old.chunks_late)
+        for ms in new.ttfa_ms[len(old.ttfa_ms):]:
+            self.ttfa.observe(ms / 1000.0)
+
+    def render(self, engine) -> bytes:
+        if engine is not None:
+            load = engine.load()
+            self.engine_step_ms.set(load.step_ms)
+            self.engine_batch.set(load.batch_size)
+            self.engine_capacity.set(load.capacity)
+            self.engine_conversations.set(load.conversations)
+        return generate_latest(self.registry)
