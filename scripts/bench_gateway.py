@@ -1,0 +1,160 @@
+"""The gateway's own CPU cost per session, as a fraction of one core.
+
+N clients (a separate process) talk to the gateway over real sockets on 127.0.0.1 with real speech
+(espeak-ng) at real-time pace; the server VAD ends each turn and the answer (2 s of audio) is paced
+back. The engine is replaced by a fixed-audio responder IN THIS BENCHMARK ONLY, so what is measured
+is the gateway: Opus/pcm16 decode + resampling + Silero VAD + Opus/pcm16 encode + pacing + JSON/base64.
+
+    python scripts/bench_gateway.py --sessions 8 --seconds 20 --format opus
+
+Prints the server process's CPU seconds / wall seconds / sessions (goal: <= 0.02 core per session).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "realtime"))
+
+from engine.service_api import AudioChunk, EngineHealth, EngineLoad, HistoryTurn  # noqa: E402
+
+ANSWER_MS = 2000
+
+
+class FixedConversation:
+    def __init__(self, sid: str) -> None:
+        self.id = sid
+        self._pcm = (6000 * np.sin(2 * np.pi * 220 * np.arange(16 * ANSWER_MS) / 16000)).astype(np.int16)
+        self._cancelled = False
+
+    def push_user_audio(self, pcm) -> None: ...
+
+    def end_user_turn(self) -> None: ...
+
+    async def respond(self):
+        self._cancelled = False
+        step = 1600  # 100 ms chunks, produced 2x faster than real time
+        for i in range(0, self._pcm.size, step):
+            if self._cancelled:
+                return
+            await asyncio.sleep(0.05)
+            yield AudioChunk("r", self._pcm[i : i + step], i / 16, 100.0, time.monotonic() + 1, "", i + step >= self._pcm.size)
+
+    def cancel(self, played_ms: float) -> None:
+        self._cancelled = True
+
+    async def close(self) -> None: ...
+
+    @property
+    def history(self) -> list[HistoryTurn]:
+        return []
+
+
+class FixedEngine:
+    def __init__(self) -> None:
+        self.open = 0
+
+    def open_conversation(self, sid, options=None):
+        self.open += 1
+        return FixedConversation(sid)
+
+    def health(self):
+        return EngineHealth(True, "fixed-audio responder (benchmark only)")
+
+    def load(self):
+        return EngineLoad(self.open, 0, 1000, 0.0, 0.0)
+
+    async def shutdown(self) -> None: ...
+
+
+def clients(port: int, n: int, seconds: float, fmt: str, ready, result) -> None:
+    from rt_helpers import espeak, silence
+
+    import websockets
+
+    from realtime.audio import InputDecoder, OutputEncoder, WireFormat
+
+    utt = np.concatenate([espeak("hello there, this is a benchmark of the gateway", 24_000), silence(900, 24_000)])
+
+    async def one(k: int) -> dict:
+        stats = {"deltas": 0, "binary": 0, "responses": 0}
+        async with websockets.connect(f"ws://127.0.0.1:{port}/v1/realtime?token=t", max_size=None) as ws:
+            if fmt == "opus":
+                await ws.send(json.dumps({"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/opus"}}}}}))
+
+            async def rx():
+                async for m in ws:
+                    if isinstance(m, bytes):
+                        stats["binary"] += 1
+                    else:
+                        t = json.loads(m)["type"]
+                        stats["deltas"] += t == "response.output_audio.delta"
+                        stats["responses"] += t == "response.done"
+
+            task = asyncio.create_task(rx())
+            enc, dec = OutputEncoder(WireFormat.OPUS), InputDecoder(WireFormat.PCM16)
+            t0, sent = time.monotonic(), 0
+            await asyncio.sleep(k * 0.137)
+            while time.monotonic() - t0 < seconds:
+                piece = utt[(sent * 480) % (utt.size - 480):][:480]
+                if fmt == "opus":
+                    for pkt in enc.encode(dec.decode(piece.astype("<i2").tobytes())):
+                        await ws.send(b"\x01" + pkt)
+                else:
+                    await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(piece.astype("<i2").tobytes()).decode()}))
+                sent += 1
+                await asyncio.sleep(max(0.0, t0 + sent * 0.02 - time.monotonic()))
+            task.cancel()
+        return stats
+
+    async def main():
+        ready.wait()
+        return await asyncio.gather(*(one(k) for k in range(n)))
+
+    result.put(asyncio.run(main()))
+
+
+async def serve_and_measure(args) -> None:
+    from realtime.config import config_from_dict
+    from realtime.server import Gateway
+
+    gw = Gateway(FixedEngine(), config_from_dict({"server": {"port": 0, "token": "t"}}))
+    await gw.start()
+    ctx = mp.get_context("spawn")
+    ready, result = ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=clients, args=(gw.port, args.sessions, args.seconds, args.format, ready, result))
+    proc.start()
+    await asyncio.sleep(3.0)  # let the client process import and build its speech
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    ready.set()
+    while proc.is_alive():
+        await asyncio.sleep(0.2)
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    stats = result.get(timeout=5)
+    await gw.stop()
+    per = cpu / wall / args.sessions
+    print(f"format={args.format} sessions={args.sessions} wall={wall:.1f}s gateway_cpu={cpu:.2f}s "
+          f"responses={sum(s['responses'] for s in stats)} audio_msgs={sum(s['deltas'] + s['binary'] for s in stats)}")
+    print(f"gateway CPU per session: {100 * per:.2f}% of one core (goal <= 2%)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--format", choices=["opus", "pcm16"], default="opus")
+    asyncio.run(serve_and_measure(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
