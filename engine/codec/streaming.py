@@ -111,14 +111,18 @@ class StreamingDecoder:
         remaining = state.frames_received - state.emitted_frames
         if state.finished:
             return remaining
-        size = self.config.first_chunk_frames if state.chunks_emitted == 0 else self.config.chunk_frames
+        size = self.next_chunk_frames(state)
         return size if remaining - self.config.lookahead_frames >= size else 0
 
     def next_chunk_frames(self, state: DecoderState) -> int:
-        """Size of the next chunk once ready (for deadline bookkeeping)."""
-        if state.chunks_emitted == 0:
-            return self.config.first_chunk_frames
-        return self.config.chunk_frames
+        """Size of the next chunk: the first chunk's size doubling up to chunk_frames.
+
+        A chunk must be generated while the previous one plays: a 16-frame chunk right after a
+        4-frame one would need 16 frames generated in 80 ms of audio. Doubling keeps every chunk
+        within what the audio already delivered covers, at the cost of a few more decode calls.
+        """
+        cfg = self.config
+        return min(cfg.chunk_frames, cfg.first_chunk_frames << min(state.chunks_emitted, 16))
 
     # --- batched decode ---------------------------------------------------------------------
 
