@@ -55,6 +55,7 @@ class StepChunk:
     num_cached_tokens: int = 0  # prompt positions served from the prefix cache
     engine_step_ms: float = 0.0  # duration of the engine step that produced the latest step
     engine_batch: int = 0  # requests in that step
+    engine_tokens: int = 0  # tokens in that step (> engine_batch when it carried a prefill)
 
 
 def _set_vllm_env(cfg: EngineConfig) -> None:
@@ -178,6 +179,7 @@ class AsyncOpusEngine:
                 num_cached_tokens=out.num_cached_tokens or 0,
                 engine_step_ms=float(timing.get("ms", 0.0)),
                 engine_batch=int(timing.get("batch", 0)),
+                engine_tokens=int(timing.get("tokens", 0)),
             )
             num_steps += len(toks)
 

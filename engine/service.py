@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -342,8 +343,23 @@ class Engine:
             )
         )
         if cfg.warmup:
+            await loop.run_in_executor(self._tok_pool, self._warm_audio_path, dac)
             await self._warmup()
         self._ready = True
+
+    def _warm_audio_path(self, dac) -> None:
+        """First calls into torch kernels are slow: run the tokenizer and a codec decode once, and
+        measure the codec's real-time factor for admission control."""
+        import torch
+
+        from engine.codec.synth import speech_like
+
+        self._tokenizer.tokenize(speech_like(0.5, seed=0))
+        codes = torch.zeros(1, vocab.NUM_CODEBOOKS, 16, dtype=torch.long)
+        dac.decode(codes)
+        t0 = time.perf_counter()
+        dac.decode(torch.zeros(4, vocab.NUM_CODEBOOKS, 16, dtype=torch.long))
+        self._capacity.codec_rtf = (time.perf_counter() - t0) / (4 * 16 * FRAME_MS / 1000.0)
 
     async def _warmup(self) -> None:
         """Measure step time at a few batch sizes (admission control starts from these)."""
@@ -356,7 +372,7 @@ class Engine:
 
             async def run(r: AudioRequest) -> None:
                 async for chunk in self.llm.stream_steps(r):
-                    if chunk.first_step > 1 and chunk.engine_batch == batch:
+                    if chunk.engine_batch == batch == chunk.engine_tokens:
                         step_ms.append(chunk.engine_step_ms)
 
             await asyncio.gather(*(run(r) for r in reqs))
@@ -449,7 +465,7 @@ class Engine:
         try:
             async for step_chunk in self.llm.stream_steps(request, response.id):
                 conv.cached_tokens_last_response = max(conv.cached_tokens_last_response, step_chunk.num_cached_tokens)
-                if step_chunk.first_step > 0:  # decode steps only: the first one carries the prefill
+                if step_chunk.engine_tokens == step_chunk.engine_batch:  # pure decode steps only
                     self._capacity.observe(step_chunk.engine_batch, step_chunk.engine_step_ms)
                 new = [assembler.push(row) for row in step_chunk.steps]
                 frames = np.concatenate(new) if new else np.zeros((0, vocab.NUM_STREAMS), np.int64)

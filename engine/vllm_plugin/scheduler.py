@@ -91,7 +91,8 @@ class OpusScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         now = time.monotonic()
         timing = {STEP_TIMING_KEY: {"ms": 1000.0 * (now - self._step_started),
-                                    "batch": len(scheduler_output.num_scheduled_tokens)}}
+                                    "batch": len(scheduler_output.num_scheduled_tokens),
+                                    "tokens": scheduler_output.total_num_scheduled_tokens}}
         for engine_outputs in outputs.values():
             for out in engine_outputs.outputs:
                 out.kv_transfer_params = timing
