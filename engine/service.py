@@ -131,6 +131,14 @@ class Conversation:
         self.prefilled_requests = 0  # incremental prefills issued while the user talked
         self.last_prompt: np.ndarray | None = None  # the prompt of the latest response
 
+    def update_options(self, options: ConversationOptions) -> None:
+        """New settings (session.update); they apply from the next response on."""
+        self._check_open()
+        self._options = options
+        self._sampling = SamplingConfig(
+            temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, seed=options.seed
+        )
+
     # --- user audio --------------------------------------------------------------------------
 
     def push_user_audio(self, pcm_16k: np.ndarray) -> None:

@@ -150,7 +150,7 @@ class Gateway:
         finally:
             self.connections.pop(session_id, None)
             self.metrics.sessions_active.dec()
-            await conv.close()
+            await conn.conv.close()
             conn.log_end()
 
 
@@ -273,14 +273,8 @@ class RealtimeConnection:
             self._close_with_error(item[1], item[2], 1001)
 
     async def _apply_settings(self) -> None:
-        """Engine options are fixed per conversation: before the first turn, reopen it with the new ones."""
-        if self.session.stats.responses or self.session.input_ms > 0:
-            self.proto.error("settings_apply_next_session",
-                             "sampling/instructions changes after the conversation started apply only to new sessions",
-                             "invalid_request_error")
-            return
-        await self.conv.close()
-        self.conv = self.gw.engine.open_conversation(self.id, conversation_options(self.proto.settings))
+        """Sampling and response settings apply from the conversation's next response on."""
+        self.conv.update_options(conversation_options(self.proto.settings))
 
     def _run_commands(self) -> None:
         for cmd in self.session.commands():
