@@ -204,10 +204,11 @@ class AsyncOpusEngine:
 
     def shutdown(self) -> None:
         if self._llm is not None:
-            self._llm.shutdown()
-            # drop it now: AsyncLLM.__del__ at interpreter exit would shut down a second time
-            # with half the modules gone
-            self._llm = None
+            llm, self._llm = self._llm, None
+            llm.shutdown()
+            # AsyncLLM.__del__ shuts down again, and at interpreter exit (modules half torn down)
+            # that prints a TypeError traceback: make the second call a no-op
+            llm.shutdown = lambda *args, **kwargs: None
 
     async def __aenter__(self) -> "AsyncOpusEngine":
         return self
