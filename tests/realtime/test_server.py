@@ -334,3 +334,42 @@ def test_capacity_refusal(gateway):
     first, close_code = run(main())
     assert first["type"] == "error" and first["error"]["code"] == "server_at_capacity"
     assert close_code == 1013
+
+
+def test_gateway_audio_equals_the_engine_output(gateway, speech, tiny_model):
+    """With greedy sampling the audio a client receives is what the engine makes of the same turn:
+    the reference LM + offline codec decode of the prompt the server's conversation used,
+    resampled 16 -> 24 kHz. Tolerance: 25 dB SNR at the best alignment within 2 ms (streamed vs
+    offline codec decode, int16 rounding, and the gateway's streaming resampler vs one-shot soxr)."""
+    import soxr
+    import torch
+
+    from engine import vocab
+    from engine.codec.dac import DAC
+    from engine.codec.streaming import snr_db
+    from engine.reference import ReferenceOpusLM
+    from engine.request import AudioRequest
+    from engine.sampling import GREEDY
+
+    async def main():
+        c = await connect(gateway)
+        sid = c.events[0]["session"]["id"]
+        await c.stream(utterance(speech, "could you tell me the time please"))
+        done = await c.wait_for("response.done")
+        prompt = gateway.conversation(sid).last_prompt.copy()
+        await c.close()
+        return c, done, prompt
+
+    c, done, prompt = run(main())
+    assert done["response"]["status"] == "completed"
+    got = np.frombuffer(b"".join(base64.b64decode(e["delta"]) for e in c.events
+                                 if e["type"] == "response.output_audio.delta"), dtype="<i2").astype(np.float32)
+    frames = ReferenceOpusLM.from_dir(tiny_model).generate(
+        AudioRequest(prompt, max_frames=int(MAX_RESPONSE_MS // 20), min_frames=1, sampling=GREEDY)).frames
+    codes = torch.from_numpy(vocab.global_to_dac(frames[:, 1:]).T[None].copy())
+    want16 = DAC.from_dir(tiny_model).decode(codes)[0, 0].numpy()
+    want = soxr.resample(want16, 16_000, 24_000) * 32767.0
+    assert abs(len(got) - len(want)) <= 48
+    n = min(len(got), len(want)) - 96
+    best = max(snr_db(want[48 : 48 + n], got[48 + lag : 48 + lag + n]) for lag in range(-48, 49))
+    assert best > 25.0, best
