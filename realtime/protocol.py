@@ -40,6 +40,14 @@ class ProtocolLimits:
     max_opus_packet_bytes: int = 4000
 
 
+@dataclass(frozen=True)
+class OpusOutput:
+    """Encoder settings of binary Opus output (config `audio.opus_*`)."""
+
+    bitrate: int = 24_000
+    complexity: int = 5
+
+
 @dataclass
 class SessionSettings:
     """What session.update sets beyond turn detection; the shell maps it onto the engine's options."""
@@ -78,7 +86,9 @@ def _get(obj: dict, key: str, types: type | tuple, *, required: bool = False, pr
 
 
 class RealtimeProtocol:
-    def __init__(self, session: Session, limits: ProtocolLimits | None = None, settings: SessionSettings | None = None) -> None:
+    def __init__(self, session: Session, limits: ProtocolLimits | None = None, settings: SessionSettings | None = None,
+                 opus: OpusOutput | None = None) -> None:
+        self.opus = opus or OpusOutput()
         self.session = session
         self.limits = limits or ProtocolLimits()
         self.settings = settings or SessionSettings()
@@ -267,7 +277,8 @@ class RealtimeProtocol:
             self._SENDERS[type(ev)](self, ev)
 
     def _make_encoder(self) -> OutputEncoder:
-        return OutputEncoder(self.settings.output_format, frame_ms=self.session.limits.output_frame_ms)
+        return OutputEncoder(self.settings.output_format, frame_ms=self.session.limits.output_frame_ms,
+                             opus_bitrate=self.opus.bitrate, opus_complexity=self.opus.complexity)
 
     def _send_speech_started(self, ev: SpeechStarted) -> None:
         self._emit("input_audio_buffer.speech_started", audio_start_ms=int(ev.audio_start_ms), item_id=ev.item_id)

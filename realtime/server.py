@@ -36,7 +36,7 @@ from websockets.http11 import Request, Response
 from engine.service_api import AtCapacity, ConversationOptions, EngineError
 from realtime.config import ServerConfig
 from realtime.metrics import CONTENT_TYPE, GatewayMetrics
-from realtime.protocol import ProtocolLimits, RealtimeProtocol, SessionSettings
+from realtime.protocol import OpusOutput, ProtocolLimits, RealtimeProtocol, SessionSettings
 from realtime.session import CancelResponse, EndTurn, PushAudio, Session, SessionLimits, SessionStats, StartResponse, new_id
 from realtime.vad import VadParams
 
@@ -171,7 +171,8 @@ class RealtimeConnection:
         v = cfg.vad
         vad = VadParams(v.threshold, v.prefix_padding_ms, v.silence_duration_ms, v.create_response, v.interrupt_response, v.min_speech_ms) if v.enabled else None
         self.session = Session(session_id, vad, SessionLimits(cfg.audio.output_frame_ms, cfg.audio.lead_ms, cfg.limits.max_turn_ms))
-        self.proto = RealtimeProtocol(self.session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes), settings)
+        self.proto = RealtimeProtocol(self.session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes), settings,
+                                      OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity))
         self.inbound: asyncio.Queue = asyncio.Queue(cfg.limits.inbound_queue)
         self.outbound: asyncio.Queue = asyncio.Queue(cfg.limits.outbound_queue)
         self.task: asyncio.Task | None = None
