@@ -44,6 +44,7 @@ class ReferenceOpusLM:
         d = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         self._inv_freq = inv_freq.to(self.device)
+        self._head_bias = heads.stream_bias(self.w["lm_head.weight"], self.w["head_emb.weight"])
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, device: str = "cpu") -> "ReferenceOpusLM":
@@ -140,7 +141,7 @@ class ReferenceOpusLM:
             raise ValueError("prompt + max_frames exceed the model's max_position_embeddings")
         cache = _KVCache(cfg.num_hidden_layers)
         h = self.forward(self.embed(prompt), 0, cache)[-1:]
-        lm_head, head_emb = self.w["lm_head.weight"], self.w["head_emb.weight"]
+        lm_head = self.w["lm_head.weight"]
         samp = request.sampling
         gen0 = None
         if samp.seed is not None and not samp.greedy:
@@ -152,9 +153,10 @@ class ReferenceOpusLM:
             rule = delay.stream0_rules(
                 np.array([s]), np.array([eos_step]), request.min_frames, request.max_frames
             )
-            logits0 = heads.stream0_logits(h, lm_head, head_emb, rule, cfg.vocab_size)
+            audio = heads.audio_logits(h, lm_head, self._head_bias)
+            logits0 = heads.stream0_logits(audio, rule, cfg.vocab_size)
             active = delay.aux_active(np.array([s]), np.array([eos_step]))
-            codes = sample_rows(heads.aux_logits(h, lm_head, head_emb), [samp], [gen_aux])
+            codes = sample_rows(heads.aux_logits(audio), [samp], [gen_aux])
             tok0 = int(sample_rows(logits0, [samp], [gen0])[0])
             step = np.concatenate([[tok0], heads.aux_ids(codes.cpu().numpy(), active)[0]])
             steps.append(step)

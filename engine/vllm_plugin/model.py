@@ -45,6 +45,7 @@ class OpusLMForCausalLM(nn.Module):
         )
         self.head_emb = nn.Embedding(NUM_HEAD_EMB, config.hidden_size)
         self.streams = StreamStateStore()
+        self._head_bias: torch.Tensor | None = None  # heads.stream_bias, once weights are loaded
         self._batch: StepBatch | None = None  # set by the runner for one forward
 
     # --- request lifecycle (called by the runner) ------------------------------------------------
@@ -97,17 +98,22 @@ class OpusLMForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch, self._batch = self._batch, None
-        w, e = self.lm_head.weight, self.head_emb.weight
+        # vLLM's own lm_head kernel (oneDNN on CPU, cuBLAS on CUDA): all 9 streams come out of
+        # this one projection plus a per-stream bias (engine/heads.py)
+        projected = self.lm_head.quant_method.apply(self.lm_head, hidden_states)
         if batch is None or hidden_states.shape[0] != batch.num_rows:
             # profiling / dummy runs: plain logits, nothing recorded
-            return nn.functional.linear(hidden_states, w[: self.vocab_size]).float()
+            return projected[:, : self.vocab_size].float()
+        if self._head_bias is None:
+            self._head_bias = heads.stream_bias(self.lm_head.weight, self.head_emb.weight)
+        audio = projected[:, : heads.AUDIO_END].float() + self._head_bias
         plan = self.streams.plan(batch)
-        logits = heads.stream0_logits(hidden_states, w, e, plan.rules, self.vocab_size)
+        logits = heads.stream0_logits(audio, plan.rules, self.vocab_size)
         rows = np.nonzero(plan.commit)[0]
         if len(rows):
             idx = torch.from_numpy(rows).to(hidden_states.device)
             configs, gens = self.streams.sampling_rows(batch, plan)
-            codes = sample_rows(heads.aux_logits(hidden_states[idx], w, e), configs, gens)
+            codes = sample_rows(heads.aux_logits(audio[idx]), configs, gens)
             self.streams.commit(batch, plan, heads.aux_ids(codes.cpu().numpy(), plan.active[rows]))
         else:
             self.streams.step_aux = {}
