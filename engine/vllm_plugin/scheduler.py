@@ -15,7 +15,7 @@
    than `pacing_lead_ms` sit the step out: generation stays a bounded lead ahead of playback, the
    others get a smaller, faster batch, and a barge-in throws little away.
 
-3. Step timing. Each step's duration (schedule to outputs) and batch size ride on the outputs'
+3. Step timing. Each step's duration (schedule to outputs) and batch size ride on one output's
    `kv_transfer_params` (unused without a KV connector) so the service's admission control
    measures the engine itself, not the gaps that pacing puts between a request's steps.
 """
@@ -94,8 +94,10 @@ class OpusScheduler(Scheduler):
                                     "batch": len(scheduler_output.num_scheduled_tokens),
                                     "tokens": scheduler_output.total_num_scheduled_tokens}}
         for engine_outputs in outputs.values():
-            for out in engine_outputs.outputs:
-                out.kv_transfer_params = timing
+            # one output per client and step is enough: every consumer sees the engine's steps
+            # through whichever request it follows, and each dict costs serialization time
+            if engine_outputs.outputs:
+                engine_outputs.outputs[0].kv_transfer_params = timing
         for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is not None and rid not in self._first_frame_at and req.num_output_tokens > MAX_DELAY:
