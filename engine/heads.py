@@ -1,9 +1,9 @@
 """OpusLM output heads: stream k's logits = lm_head(h + head_emb[k]), restricted to its range.
 
 Since lm_head is linear, lm_head(h + e_k) = lm_head(h) + lm_head(e_k): the per-stream vector only
-adds a constant bias over the stream's own ids. So one projection of h over the audio ids
-[0, 13448) plus a bias precomputed once from the weights (`stream_bias`) gives every stream's
-logits -- one matmul for 9 streams, and the vLLM model can use vLLM's own lm_head kernel.
+adds a constant bias over the stream's own ids. So one projection of h plus a bias precomputed
+once from the weights (`stream_bias`) gives every stream's logits -- one matmul for 9 streams, and
+the vLLM model uses vLLM's own lm_head kernel for it.
 
 Shared by the vLLM model and the reference so both apply the same masks.
 """
@@ -38,34 +38,38 @@ def stream_bias(lm_head: torch.Tensor, head_emb: torch.Tensor) -> torch.Tensor:
     return bias
 
 
-def audio_logits(h: torch.Tensor, lm_head: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """[rows, AUDIO_END] float32 logits of every stream over the audio ids (plain matmul)."""
-    return torch.nn.functional.linear(h, lm_head[:AUDIO_END]).float() + bias
+def project(h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """lm_head(h) over the whole vocabulary, float32 (the vLLM model uses vLLM's kernel instead)."""
+    return torch.nn.functional.linear(h, lm_head).float()
 
 
-def stream0_logits(audio: torch.Tensor, rules: np.ndarray, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab_size] float32 logits for stream 0; disallowed ids are -inf.
+def aux_logits(projected: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """[rows, 8, 1024] logits of streams 1-8 over their own codebook blocks."""
+    dac = projected[:, vocab.DAC_OFFSET : AUDIO_END] + bias[vocab.DAC_OFFSET :]
+    return dac.view(-1, vocab.NUM_CODEBOOKS, vocab.CODEBOOK_SIZE)
 
-    Stream 0 samples SSL ids, plus EOS where the rule allows it; forced rows get a single finite
-    entry, so any sampler (greedy or not) picks it.
+
+def stream0_logits_(projected: torch.Tensor, bias: torch.Tensor, rules: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """Stream 0's logits, written over `projected` (so take `aux_logits` first): [rows, vocab_size].
+
+    Stream 0 samples SSL ids, plus EOS where the rule allows it; everything else is -inf, and a
+    forced row gets a single finite entry, so any sampler (greedy or not) picks it. Working in
+    place saves two passes over a [rows, vocab] tensor per step.
     """
-    rows = audio.shape[0]
-    out = torch.full((rows, vocab_size), float("-inf"), dtype=torch.float32, device=audio.device)
-    out[:, _SSL_LO:_SSL_HI] = audio[:, _SSL_LO:_SSL_HI]
-    rules_t = torch.from_numpy(np.asarray(rules, dtype=np.int64)).to(audio.device)
-    out[:, vocab.SOS_EOS] = torch.where(rules_t == Stream0Rule.SSL_OR_EOS, audio[:, vocab.SOS_EOS], out[:, vocab.SOS_EOS])
+    out = projected[:, :vocab_size]
+    rules_t = torch.from_numpy(np.asarray(rules, dtype=np.int64)).to(out.device)
+    eos = torch.where(rules_t == Stream0Rule.SSL_OR_EOS, out[:, vocab.SOS_EOS] + bias[vocab.SOS_EOS], float("-inf"))
+    out[:, :_SSL_LO] = float("-inf")
+    out[:, _SSL_HI:] = float("-inf")
+    out[:, _SSL_LO:_SSL_HI] += bias[_SSL_LO:_SSL_HI]
+    out[:, vocab.SOS_EOS] = eos
     forced = np.nonzero(np.asarray(rules) >= Stream0Rule.FORCE_EOS)[0]
     if len(forced):
-        idx = torch.from_numpy(forced).to(audio.device)
-        tok = torch.tensor([_FORCED_TOKEN[Stream0Rule(int(rules[i]))] for i in forced], device=audio.device)
+        idx = torch.from_numpy(forced).to(out.device)
+        tok = torch.tensor([_FORCED_TOKEN[Stream0Rule(int(rules[i]))] for i in forced], device=out.device)
         out[idx] = float("-inf")
         out[idx, tok] = 0.0
     return out
-
-
-def aux_logits(audio: torch.Tensor) -> torch.Tensor:
-    """[rows, 8, 1024] logits of streams 1-8 over their own codebook blocks (a view)."""
-    return audio[:, vocab.DAC_OFFSET : AUDIO_END].view(-1, vocab.NUM_CODEBOOKS, vocab.CODEBOOK_SIZE)
 
 
 _CODEBOOK_BASE = vocab.DAC_OFFSET + vocab.CODEBOOK_SIZE * np.arange(vocab.NUM_CODEBOOKS)

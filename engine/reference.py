@@ -153,10 +153,10 @@ class ReferenceOpusLM:
             rule = delay.stream0_rules(
                 np.array([s]), np.array([eos_step]), request.min_frames, request.max_frames
             )
-            audio = heads.audio_logits(h, lm_head, self._head_bias)
-            logits0 = heads.stream0_logits(audio, rule, cfg.vocab_size)
+            projected = heads.project(h, lm_head)
+            codes = sample_rows(heads.aux_logits(projected, self._head_bias), [samp], [gen_aux])
+            logits0 = heads.stream0_logits_(projected, self._head_bias, rule, cfg.vocab_size)
             active = delay.aux_active(np.array([s]), np.array([eos_step]))
-            codes = sample_rows(heads.aux_logits(audio), [samp], [gen_aux])
             tok0 = int(sample_rows(logits0, [samp], [gen0])[0])
             step = np.concatenate([[tok0], heads.aux_ids(codes.cpu().numpy(), active)[0]])
             steps.append(step)

@@ -106,18 +106,17 @@ class OpusLMForCausalLM(nn.Module):
             return projected[:, : self.vocab_size].float()
         if self._head_bias is None:
             self._head_bias = heads.stream_bias(self.lm_head.weight, self.head_emb.weight)
-        audio = projected[:, : heads.AUDIO_END].float() + self._head_bias
+        projected = projected.float()
         plan = self.streams.plan(batch)
-        logits = heads.stream0_logits(audio, plan.rules, self.vocab_size)
         rows = np.nonzero(plan.commit)[0]
         if len(rows):
             idx = torch.from_numpy(rows).to(hidden_states.device)
             configs, gens = self.streams.sampling_rows(batch, plan)
-            codes = sample_rows(heads.aux_logits(audio[idx]), configs, gens)
+            codes = sample_rows(heads.aux_logits(projected[idx], self._head_bias), configs, gens)
             self.streams.commit(batch, plan, heads.aux_ids(codes.cpu().numpy(), plan.active[rows]))
         else:
             self.streams.step_aux = {}
-        return logits
+        return heads.stream0_logits_(projected, self._head_bias, plan.rules, self.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
