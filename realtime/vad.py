@@ -47,6 +47,9 @@ def _shared_session():
         opts = ort.SessionOptions()
         opts.inter_op_num_threads = 1
         opts.intra_op_num_threads = 1
+        # one small model per 32 ms window: no thread pool to spin up (148 vs 169 us per window)
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         _SESSION = ort.InferenceSession(silero_model_path(), sess_options=opts, providers=["CPUExecutionProvider"])
     return _SESSION
 
