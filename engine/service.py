@@ -102,6 +102,7 @@ class _Response:
     frames: list[np.ndarray] = field(default_factory=list)
     played_frames: int | None = None  # set by cancel
     pump: asyncio.Task | None = None
+    answering: bool = False  # the user turn is in the history; the assistant turn will follow it
 
     def num_frames(self) -> int:
         return sum(len(f) for f in self.frames)
@@ -182,6 +183,8 @@ class Conversation:
         cfg = self._engine.config
         if not cfg.incremental_prefill or user is not self._user or user.done is not None:
             return
+        if self._response is not None:  # the history is not final until the answer is
+            return
         if self._prefill_task is not None and not self._prefill_task.done():
             return
         if (user.num_frames - user.prefilled_frames) * FRAME_MS < cfg.prefill_interval_ms:
@@ -207,6 +210,7 @@ class Conversation:
         try:
             await user.done  # the tokenizer has flushed the turn; its frames are in `user`
             self._turns.append(DialogueTurn(vocab.USER, user.all_frames()))
+            response.answering = True
             self.last_prompt = response_prompt(self._turns)
             self.cached_tokens_last_response = 0
             request = AudioRequest(
@@ -245,7 +249,8 @@ class Conversation:
         frames = np.concatenate(response.frames) if response.frames else np.zeros((0, vocab.NUM_STREAMS), np.int64)
         if response.played_frames is not None:
             frames = frames[: response.played_frames]
-        self._turns.append(DialogueTurn(vocab.ASSISTANT, frames))
+        if response.answering:  # else the user turn never made it (tokenizer failure): no answer
+            self._turns.append(DialogueTurn(vocab.ASSISTANT, frames))
         self._response = None
         if self._state != TurnState.CLOSED:
             self._state = TurnState.LISTENING
@@ -256,7 +261,7 @@ class Conversation:
         With no response running, truncates the last assistant turn (its audio may still be
         playing at the client when the user interrupts).
         """
-        played = max(0, int(played_ms // FRAME_MS))
+        played = max(0, int(played_ms // FRAME_MS)) if played_ms != float("inf") else 1 << 40
         response = self._response
         if response is not None:
             response.played_frames = min(played, response.num_frames())

@@ -124,6 +124,29 @@ def test_barge_in_truncates_history_to_the_played_frames(engine, loop_thread) ->
     assert history[1].audio_frames == round(MAX_RESPONSE_MS / 20)
 
 
+def test_close_during_an_answer_and_options_for_the_next(engine, loop_thread) -> None:
+    async def run():
+        conv = engine.open_conversation("dave", GREEDY_OPTIONS)
+        await talk(conv, speech(0.6, 5), realtime=False)
+        got = []
+        async for chunk in conv.respond():
+            got.append(chunk)
+            if len(got) == 2:
+                await conv.close()  # the client went away mid-answer
+        with pytest.raises(ConversationClosed):
+            conv.end_user_turn()
+        other = engine.open_conversation("erin", GREEDY_OPTIONS)
+        other.update_options(ConversationOptions(temperature=0.0, max_response_ms=200.0))
+        await talk(other, speech(0.6, 6), realtime=False)
+        short = await answer(other)
+        await other.close()
+        return got, conv.history, short
+
+    got, history, short = loop_thread.run(run())
+    assert len(got) == 2 and [h.role for h in history] == [Role.USER, Role.ASSISTANT]
+    assert sum(c.duration_ms for c in short) == pytest.approx(200.0, abs=20)
+
+
 def test_admission_control_and_closed_conversations(engine, loop_thread) -> None:
     async def run():
         a = engine.open_conversation("x1")
