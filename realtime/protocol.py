@@ -21,7 +21,7 @@ import binascii
 import itertools
 import json
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat, parse_wire_format
 from realtime.session import (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import time
 
-import numpy as np
 import pytest
 
 from engine.prompt import synthetic_prompt
