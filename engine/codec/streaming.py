@@ -115,14 +115,15 @@ class StreamingDecoder:
         return size if remaining - self.config.lookahead_frames >= size else 0
 
     def next_chunk_frames(self, state: DecoderState) -> int:
-        """Size of the next chunk: the first chunk's size doubling up to chunk_frames.
+        """Size of the next chunk: the first chunk's size twice, then doubling up to chunk_frames.
 
-        A chunk must be generated while the previous one plays: a 16-frame chunk right after a
-        4-frame one would need 16 frames generated in 80 ms of audio. Doubling keeps every chunk
-        within what the audio already delivered covers, at the cost of a few more decode calls.
+        A chunk must be generated (and decoded) while the audio already delivered plays: a
+        16-frame chunk right after a 4-frame one would need 16 frames generated within 80 ms.
+        With 4, 4, 8, 16, ... each chunk needs at most half the audio before it, so generation at
+        2x real time still leaves half the margin for decoding and delivery.
         """
         cfg = self.config
-        return min(cfg.chunk_frames, cfg.first_chunk_frames << min(state.chunks_emitted, 16))
+        return min(cfg.chunk_frames, cfg.first_chunk_frames << min(max(state.chunks_emitted - 1, 0), 16))
 
     # --- batched decode ---------------------------------------------------------------------
 

@@ -35,8 +35,8 @@ def test_earliest_deadlines_go_first(dac: DAC, speech_codes: np.ndarray) -> None
     assert [c.session_id for c in first] == ["b", "d"]
     assert [round(c.lateness_s, 3) for c in first] == [0.10, 0.05]
     # b's and d's second chunks are due 4 frames (80 ms) after their first ones: 100.13 and
-    # 100.18, before c's first (100.20); the second chunks are 8 frames, so b's third is due
-    # at 100.29, after c's first and before a's (100.30)
+    # 100.18, before c's first (100.20); the second chunks are 4 frames too, so b's third is
+    # due at 100.21, after c's first and before d's third (100.26) and a's first (100.30)
     assert [c.session_id for c in stage.tick()] == ["b", "d"]
     assert [c.session_id for c in stage.tick()] == ["c", "b"]
     assert stage.stats.late_chunks >= 2 and stage.stats.batch_sizes[2] == 3
