@@ -111,6 +111,10 @@ class _Response:
 _END = object()  # queue sentinel: the response ended (cancel or engine error)
 
 
+def _sampling_config(options: ConversationOptions) -> SamplingConfig:
+    return SamplingConfig(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, seed=options.seed)
+
+
 class Conversation:
     """One dialogue. Methods are called from the event loop; see engine/service_api.py."""
 
@@ -124,9 +128,7 @@ class Conversation:
         self._response: _Response | None = None
         self._state = TurnState.LISTENING
         self._responses = itertools.count()
-        self._sampling = SamplingConfig(
-            temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, seed=options.seed
-        )
+        self._sampling = _sampling_config(options)
         self._prefill_task: asyncio.Task | None = None
         self.cached_tokens_last_response = 0  # prompt positions served from the prefix cache
         self.prefilled_requests = 0  # incremental prefills issued while the user talked
@@ -136,9 +138,7 @@ class Conversation:
         """New settings (session.update); they apply from the next response on."""
         self._check_open()
         self._options = options
-        self._sampling = SamplingConfig(
-            temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, seed=options.seed
-        )
+        self._sampling = _sampling_config(options)
 
     # --- user audio --------------------------------------------------------------------------
 
