@@ -70,6 +70,19 @@ class ReferenceOpusLM:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor, cache: _KVCache) -> torch.Tensor:
+        """Causal GQA attention with RoPE and the KV cache: q [T, nh, d], k/v [T, nkv, d] -> [T, nh*d]."""
+        nh = q.shape[1]
+        q, k = self._rope(q, positions), self._rope(k, positions)
+        k_all, v_all = cache.append(layer, k, v)  # [S, nkv, d]
+        k_all = k_all.repeat_interleave(nh // k.shape[1], dim=1)
+        v_all = v_all.repeat_interleave(nh // k.shape[1], dim=1)
+        scores = torch.einsum("thd,shd->hts", q, k_all) / math.sqrt(q.shape[-1])
+        causal = torch.arange(k_all.shape[0], device=self.device)[None, :] <= positions[:, None]
+        scores = scores.masked_fill(~causal[None], float("-inf"))
+        return torch.einsum("hts,shd->thd", scores.softmax(-1), v_all).reshape(q.shape[0], -1)
+
     def forward(self, x: torch.Tensor, start_pos: int, cache: _KVCache) -> torch.Tensor:
         """x [T, H] input embeddings at positions start_pos.. -> final hidden states [T, H]."""
         if self.cfg.backbone == "olmo2":
@@ -84,16 +97,7 @@ class ReferenceOpusLM:
             q = F.linear(hn, w[p + "self_attn.q_proj.weight"]).view(t, nh, d)
             k = F.linear(hn, w[p + "self_attn.k_proj.weight"]).view(t, nkv, d)
             v = F.linear(hn, w[p + "self_attn.v_proj.weight"]).view(t, nkv, d)
-            q, k = self._rope(q, positions), self._rope(k, positions)
-            k_all, v_all = cache.append(i, k, v)  # [S, nkv, d]
-            rep = nh // nkv
-            k_all = k_all.repeat_interleave(rep, dim=1)
-            v_all = v_all.repeat_interleave(rep, dim=1)
-            s = k_all.shape[0]
-            scores = torch.einsum("thd,shd->hts", q, k_all) / math.sqrt(d)
-            causal = torch.arange(s, device=self.device)[None, :] <= positions[:, None]
-            scores = scores.masked_fill(~causal[None], float("-inf"))
-            attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v_all).reshape(t, nh * d)
+            attn = self._attend(i, q, k, v, positions, cache)
             x = x + F.linear(attn, w[p + "self_attn.o_proj.weight"])
             hn = self._rms(x, p + "post_attention_layernorm.weight")
             gate = F.linear(hn, w[p + "mlp.gate_proj.weight"])
@@ -115,14 +119,7 @@ class ReferenceOpusLM:
             q = self._rms(F.linear(x, w[p + "self_attn.q_proj.weight"]), p + "self_attn.q_norm.weight")
             k = self._rms(F.linear(x, w[p + "self_attn.k_proj.weight"]), p + "self_attn.k_norm.weight")
             v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(t, nkv, d)
-            q, k = self._rope(q.view(t, nh, d), positions), self._rope(k.view(t, nkv, d), positions)
-            k_all, v_all = cache.append(i, k, v)
-            k_all = k_all.repeat_interleave(nh // nkv, dim=1)
-            v_all = v_all.repeat_interleave(nh // nkv, dim=1)
-            scores = torch.einsum("thd,shd->hts", q, k_all) / math.sqrt(d)
-            causal = torch.arange(k_all.shape[0], device=self.device)[None, :] <= positions[:, None]
-            scores = scores.masked_fill(~causal[None], float("-inf"))
-            attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v_all).reshape(t, nh * d)
+            attn = self._attend(i, q.view(t, nh, d), k.view(t, nkv, d), v, positions, cache)
             x = x + self._rms(F.linear(attn, w[p + "self_attn.o_proj.weight"]), p + "post_attention_layernorm.weight")
             gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
             up = F.linear(x, w[p + "mlp.up_proj.weight"])

@@ -84,10 +84,13 @@ class TurnState(IntEnum):
 class _UserTurn:
     tokenizer_state: object
     frames: list[np.ndarray] = field(default_factory=list)
-    num_frames: int = 0
     prefilled_frames: int = 0
     done: asyncio.Future | None = None  # resolves when the tokenizer has flushed the turn
     last_job: asyncio.Future | None = None
+
+    @property
+    def num_frames(self) -> int:
+        return sum(len(f) for f in self.frames)
 
     def all_frames(self) -> np.ndarray:
         if not self.frames:
@@ -176,7 +179,6 @@ class Conversation:
         frames = fut.result()
         if len(frames):
             user.frames.append(frames)
-            user.num_frames += len(frames)
         self._maybe_prefill(user)
 
     def _maybe_prefill(self, user: _UserTurn) -> None:

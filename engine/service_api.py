@@ -60,6 +60,9 @@ class ConversationOptions:
     max_response_ms: float = 10_000.0
 
 
+DEFAULT_OPTIONS = ConversationOptions()  # the gateway's config and session defaults derive from it
+
+
 @dataclass(frozen=True)
 class AudioChunk:
     """A piece of the assistant's answer, in order. `pcm` is mono int16 at 16 kHz."""

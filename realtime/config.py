@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
+
 
 @dataclass(frozen=True)
 class ServerSection:
@@ -66,12 +68,13 @@ class SessionSection:
 
     instructions: str = ""
     voice: str = "default"
-    temperature: float = 0.8
-    top_k: int = 30
-    top_p: float = 1.0
-    seed: int | None = None
-    cfg_scale: float = 1.0
-    max_response_ms: float = 10_000.0
+    # the engine's defaults, so the three layers cannot drift apart
+    temperature: float = ENGINE_DEFAULTS.temperature
+    top_k: int = ENGINE_DEFAULTS.top_k
+    top_p: float = ENGINE_DEFAULTS.top_p
+    seed: int | None = ENGINE_DEFAULTS.seed
+    cfg_scale: float = ENGINE_DEFAULTS.cfg_scale
+    max_response_ms: float = ENGINE_DEFAULTS.max_response_ms
 
 
 @dataclass(frozen=True)

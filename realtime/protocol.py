@@ -23,6 +23,7 @@ import json
 import struct
 from dataclasses import dataclass, replace
 
+from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
 from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat, parse_wire_format
 from realtime.session import (
     InputCleared, InputCommitted, ItemTruncated, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone,
@@ -55,12 +56,13 @@ class SessionSettings:
     model: str = "duplex-opuslm"
     instructions: str = ""
     voice: str = "default"
-    temperature: float = 0.8
-    top_k: int = 30
-    top_p: float = 1.0
-    seed: int | None = None
-    cfg_scale: float = 1.0
-    max_response_ms: float = 10_000.0
+    # the engine's defaults, so the three layers cannot drift apart
+    temperature: float = ENGINE_DEFAULTS.temperature
+    top_k: int = ENGINE_DEFAULTS.top_k
+    top_p: float = ENGINE_DEFAULTS.top_p
+    seed: int | None = ENGINE_DEFAULTS.seed
+    cfg_scale: float = ENGINE_DEFAULTS.cfg_scale
+    max_response_ms: float = ENGINE_DEFAULTS.max_response_ms
     input_format: WireFormat = WireFormat.PCM16
     output_format: WireFormat = WireFormat.PCM16
 

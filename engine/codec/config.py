@@ -145,3 +145,23 @@ def save_config(config: Any, path: pathlib.Path) -> None:
     data = dataclasses.asdict(config)
     data = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
     pathlib.Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def load_part(module_cls, config_cls: type, part_dir: pathlib.Path, what: str):
+    """Build `module_cls(config)` from `part_dir/config.json` and load `part_dir/model.safetensors`
+    exactly (a missing or unexpected tensor is an error naming it). Returns the module in eval mode."""
+    from safetensors.torch import load_file
+
+    cfg = load_config(config_cls, part_dir / CONFIG_NAME)
+    weights_path = part_dir / WEIGHTS_NAME
+    if not weights_path.is_file():
+        raise ValueError(f"{what} weights {weights_path} do not exist")
+    model = module_cls(cfg)
+    missing, unexpected = model.load_state_dict(load_file(str(weights_path)), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{weights_path}: missing keys {missing[:3]}, unexpected keys {unexpected[:3]}")
+    return model.eval()

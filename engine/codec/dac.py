@@ -14,17 +14,14 @@ import math
 import pathlib
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
-from engine.codec.config import DACConfig, load_config
+from engine.codec.config import CONFIG_NAME, WEIGHTS_NAME, DACConfig, load_part  # noqa: F401 (re-exported)
 
 CODEC_SUBDIR = "codec"
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 
 
 class Snake1d(nn.Module):
@@ -323,19 +320,7 @@ class DAC(nn.Module):
         cls, model_dir: pathlib.Path, device: torch.device | str = "cpu", fuse: bool = True
     ) -> DAC:
         """Load `model_dir/codec/{config.json, model.safetensors}` (model_dir: the LM checkpoint)."""
-        codec_dir = pathlib.Path(model_dir) / CODEC_SUBDIR
-        cfg = load_config(DACConfig, codec_dir / CONFIG_NAME)
-        weights_path = codec_dir / WEIGHTS_NAME
-        if not weights_path.is_file():
-            raise ValueError(f"codec weights {weights_path} do not exist")
-        model = cls(cfg)
-        state = load_file(str(weights_path))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"{weights_path}: missing keys {missing[:3]}, unexpected keys {unexpected[:3]}"
-            )
-        model.eval()
+        model = load_part(cls, DACConfig, pathlib.Path(model_dir) / CODEC_SUBDIR, "codec")
         if fuse:
             model.fuse_weight_norm()
         return model.to(device)

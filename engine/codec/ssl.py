@@ -11,15 +11,12 @@ import math
 import pathlib
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from engine.codec.config import SSLConfig, load_config
+from engine.codec.config import SSLConfig, load_part
 from engine.codec.dac import pad1d_reflect
 
 SSL_SUBDIR = "ssl"
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 
 
 class PaddedConv1d(nn.Conv1d):
@@ -76,14 +73,5 @@ class SSLTokenizer(nn.Module):
     @classmethod
     def from_dir(cls, model_dir: pathlib.Path, device: torch.device | str = "cpu") -> SSLTokenizer:
         """Load `model_dir/ssl/{config.json, model.safetensors}`."""
-        ssl_dir = pathlib.Path(model_dir) / SSL_SUBDIR
-        cfg = load_config(SSLConfig, ssl_dir / CONFIG_NAME)
-        weights_path = ssl_dir / WEIGHTS_NAME
-        if not weights_path.is_file():
-            raise ValueError(f"SSL weights {weights_path} do not exist")
-        model = cls(cfg)
-        missing, unexpected = model.load_state_dict(load_file(str(weights_path)), strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{weights_path}: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        return model.eval().to(device)
+        return load_part(cls, SSLConfig, pathlib.Path(model_dir) / SSL_SUBDIR, "SSL").to(device)
 

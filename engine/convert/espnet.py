@@ -27,6 +27,7 @@ Steps, in order; nothing is written before all checks pass:
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 from dataclasses import dataclass, field
@@ -342,7 +343,7 @@ def convert_espnet(
     names = sorted(sources)
     nbytes = write_safetensors(
         checkpoint.weights_path(out),
-        [(n, lambda n=n: state[sources[n]]) for n in names],
+        [(n, functools.partial(state.__getitem__, sources[n])) for n in names],
         shapes,
         out_dtype,
         PageDropper(weights),

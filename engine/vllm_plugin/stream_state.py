@@ -72,7 +72,6 @@ class StepPlan:
     rules: np.ndarray  # [rows] Stream0Rule
     active: np.ndarray  # [rows, 8] aux stream samples (else PAD)
     commit: np.ndarray  # [rows] bool: this row produces a new step
-    steps: np.ndarray  # [rows] generated step index
 
 
 @dataclass
@@ -128,7 +127,7 @@ class StreamStateStore:
             np.array([s.max_frames for s in states]),
         )
         commit = ~batch.discard & (steps >= 0) & (next_pos == known)
-        return StepPlan(rules=rules, active=delay.aux_active(steps, eos), commit=commit, steps=steps)
+        return StepPlan(rules=rules, active=delay.aux_active(steps, eos), commit=commit)
 
     def commit(self, batch: StepBatch, plan: StepPlan, ids: np.ndarray) -> None:
         """Record the aux ids [n_commit, 8] sampled for the committing rows of this step."""
