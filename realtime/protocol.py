@@ -24,6 +24,7 @@ import struct
 from dataclasses import dataclass, replace
 
 from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
+from engine.service_api import ConversationOptions
 from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat, parse_wire_format
 from realtime.session import (
     InputCleared, InputCommitted, ItemTruncated, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone,
@@ -66,6 +67,10 @@ class SessionSettings:
     input_format: WireFormat = WireFormat.PCM16
     output_format: WireFormat = WireFormat.PCM16
 
+    def engine_options(self) -> ConversationOptions:
+        return ConversationOptions(system_prompt=self.instructions or None, temperature=self.temperature, top_k=self.top_k,
+                                   top_p=self.top_p, seed=self.seed, cfg_scale=self.cfg_scale, max_response_ms=self.max_response_ms)
+
 
 class ClientError(Exception):
     def __init__(self, code: str, message: str, param: str | None = None, error_type: str = "invalid_request_error") -> None:
@@ -95,7 +100,7 @@ class RealtimeProtocol:
         self.limits = limits or ProtocolLimits()
         self.settings = settings or SessionSettings()
         self.settings_changed = False  # set by session.update when the engine's options changed
-        self.closing_reason: str | None = None
+        self.closing: tuple[int, str] | None = None  # this protocol never ends a session by itself
         self._out: list[str | bytes] = []
         self._event_ids = itertools.count(1)
         self._decoder = InputDecoder(self.settings.input_format)
@@ -124,7 +129,27 @@ class RealtimeProtocol:
     def open(self) -> None:
         self._emit("session.created", session=self._session_object())
 
+    def take_engine_options(self) -> ConversationOptions | None:
+        if not self.settings_changed:
+            return None
+        self.settings_changed = False
+        return self.settings.engine_options()
+
     # ---- client input ----
+    def receive(self, message: str | bytes, now: float) -> None:
+        if isinstance(message, bytes):
+            self.receive_binary(message, now)
+        else:
+            self.receive_text(message, now)
+
+    def receive_audio(self, pcm, now: float) -> None:
+        """Audio the transport decoded itself (WebRTC's track), int16 at 16 kHz."""
+        try:
+            self.session.receive_audio(pcm, now)
+        except SessionError as e:
+            self._error(e, None)
+        self.send_session_events(self.session.events())
+
     def receive_text(self, text: str, now: float) -> None:
         event_id = None
         try:

@@ -76,7 +76,7 @@ async def _serve(cfg: ServerConfig, ecfg) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        log.info("shutting down: closing %d sessions", len(gw.connections))
+        log.info("shutting down: closing %d sessions", len(gw.sessions))
     finally:
         await gw.stop()
         await engine.shutdown()
