@@ -5,7 +5,8 @@
     GET  /, /web/...            the demo page, static files from web/ (no auth: they hold no secrets)
     WS   /v1/realtime           OpenAI-Realtime-style events (auth; realtime/transports/websocket.py)
 
-Transports register their routes here (`ws_routes`, `http_routes`) and share the session machinery:
+Transports (realtime/transports/, found by `transports.discover()`) register their routes here
+(`ws_routes`, `http_routes`) and share the session machinery:
 admission (`open_conversation`), the registry of live sessions and their task (`run_session`).
 
 `websockets` parses only bodiless requests; `BodyConnection` reads a POST body itself before handing
@@ -88,19 +89,21 @@ class Gateway:
     """One server: the engine, the sessions, the metrics. `await start()`, `await stop()`."""
 
     def __init__(self, engine, config: ServerConfig, token: str | None = None) -> None:
-        from realtime.transports import websocket
+        from realtime import transports
 
         self.engine = engine
         self.config = config
         self.token = token if token is not None else config.server.token
         self.metrics = GatewayMetrics()
         self.sessions: dict[str, SessionRunner] = {}
-        self.ws_routes: dict[str, WsRoute] = {websocket.PATH: WsRoute(websocket.handle)}
+        self.ws_routes: dict[str, WsRoute] = {}
         self.http_routes: dict[str, HttpRoute] = {}
         self.closing = False
         self._server = None
         self._cleanup: list[Callable[[], Awaitable[None]]] = []  # transports' resources, closed at stop()
         self.port: int | None = None
+        for transport in transports.discover():
+            transport.register(self)
 
     async def start(self) -> None:
         lim = self.config.limits

@@ -41,6 +41,12 @@ class WebSocketLink:
         await self.ws.close(code, reason)
 
 
+def register(gw: Gateway) -> None:
+    from realtime.server import WsRoute
+
+    gw.ws_routes[PATH] = WsRoute(handle)
+
+
 def error_event(code: str, message: str) -> str:
     """An `error` event sent before any session exists (capacity refusal)."""
     return json.dumps({"type": "error", "event_id": "event_0", "error": {"type": "server_error", "code": code,
