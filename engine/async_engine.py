@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import vocab
+from engine import cfg, vocab
 from engine.checkpoint import load_config
 from engine.delay import FrameAssembler
 from engine.request import AudioRequest, Generation
@@ -56,6 +56,7 @@ class StepChunk:
     engine_step_ms: float = 0.0  # duration of the engine step that produced the latest step
     engine_batch: int = 0  # requests in that step
     engine_tokens: int = 0  # tokens in that step (> engine_batch when it carried a prefill)
+    engine_cfg_pairs: int = 0  # CFG pairs in that step (each also counts once in engine_batch)
 
 
 def _set_vllm_env(cfg: EngineConfig) -> None:
@@ -151,6 +152,7 @@ class AsyncOpusEngine:
         Closing the iterator early aborts the request in vLLM.
         """
         rid = request_id or self.new_request_id()
+        self._check_request(request, rid)
         prompt = {
             "prompt_token_ids": [int(t) for t in np.asarray(request.prompt)[:, 0]],
             "cache_salt": request.cache_salt or f"req:{rid}",
@@ -180,8 +182,22 @@ class AsyncOpusEngine:
                 engine_step_ms=float(timing.get("ms", 0.0)),
                 engine_batch=int(timing.get("batch", 0)),
                 engine_tokens=int(timing.get("tokens", 0)),
+                engine_cfg_pairs=int(timing.get("cfg_pairs", 0)),
             )
             num_steps += len(toks)
+
+    def _check_request(self, request: AudioRequest, rid: str) -> None:
+        if cfg.SHADOW_SUFFIX in rid:
+            raise ValueError(f"request id {rid!r}: {cfg.SHADOW_SUFFIX!r} is reserved for CFG shadows")
+        if cfg.uses_cfg(request.cfg_scale):
+            from engine.vllm_plugin.cfg_pairs import pair_budget_ok
+
+            budget = self._llm.vllm_config.scheduler_config.max_num_batched_tokens
+            if not pair_budget_ok(request.prompt_len, request.max_steps, budget):
+                raise ValueError(
+                    f"a CFG request's two rows prefill in one step: 2 x (prompt {request.prompt_len} + "
+                    f"{request.max_steps} steps) exceeds max_num_batched_tokens={budget}"
+                )
 
     async def generate(self, request: AudioRequest, request_id: str | None = None) -> Generation:
         """Run a request to completion."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engine import checkpoint, delay, heads, vocab
+from engine import cfg, checkpoint, delay, heads, vocab
 from engine.request import AudioRequest, Generation
 from engine.sampling import sample_rows
 
@@ -131,13 +131,21 @@ class ReferenceOpusLM:
 
     @torch.inference_mode()
     def generate(self, request: AudioRequest) -> Generation:
-        """Generate one audio segment, one step per forward, exactly as the engine does."""
-        cfg = self.cfg
+        """Generate one audio segment, one step per forward, exactly as the engine does.
+
+        With `cfg_scale` != 1 each step runs two forwards -- the prompt's and the unconditional
+        prompt's (engine/cfg.py), each with its own KV cache -- merges their projections, samples
+        once, and feeds the same step to both.
+        """
+        cfg_ = self.cfg
         prompt = np.asarray(request.prompt, dtype=np.int64)
-        if prompt.shape[0] + request.max_steps > cfg.max_position_embeddings:
+        if prompt.shape[0] + request.max_steps > cfg_.max_position_embeddings:
             raise ValueError("prompt + max_frames exceed the model's max_position_embeddings")
-        cache = _KVCache(cfg.num_hidden_layers)
-        h = self.forward(self.embed(prompt), 0, cache)[-1:]
+        guided = cfg.uses_cfg(request.cfg_scale)
+        prompts = [prompt, cfg.unconditional_prompt(prompt)] if guided else [prompt]
+        caches = [_KVCache(cfg_.num_hidden_layers) for _ in prompts]
+        hs = [self.forward(self.embed(p), 0, c)[-1:] for p, c in zip(prompts, caches)]
+        scale = torch.tensor([request.cfg_scale], device=self.device)
         lm_head = self.w["lm_head.weight"]
         samp = request.sampling
         gen0 = None
@@ -150,9 +158,12 @@ class ReferenceOpusLM:
             rule = delay.stream0_rules(
                 np.array([s]), np.array([eos_step]), request.min_frames, request.max_frames
             )
-            projected = heads.project(h, lm_head)
+            projected = heads.project(torch.cat(hs), lm_head)
+            if guided:
+                heads.merge_cfg_(projected, torch.tensor([0]), torch.tensor([1]), scale)
+            projected = projected[:1]
             codes = sample_rows(heads.aux_logits(projected, self._head_bias), [samp], [gen_aux])
-            logits0 = heads.stream0_logits_(projected, self._head_bias, rule, cfg.vocab_size)
+            logits0 = heads.stream0_logits_(projected, self._head_bias, rule, cfg_.vocab_size)
             active = delay.aux_active(np.array([s]), np.array([eos_step]))
             tok0 = int(sample_rows(logits0, [samp], [gen0])[0])
             step = np.concatenate([[tok0], heads.aux_ids(codes.cpu().numpy(), active)[0]])
@@ -161,7 +172,8 @@ class ReferenceOpusLM:
                 eos_step = s
             if tok0 == vocab.ENGINE_STOP:
                 break
-            h = self.forward(self.embed(step[None]), prompt.shape[0] + s, cache)
+            x = self.embed(step[None])
+            hs = [self.forward(x, prompt.shape[0] + s, c) for c in caches]
         steps_arr = np.stack(steps).astype(np.int64)
         return Generation(steps=steps_arr, frames=frames_from_steps(steps_arr))
 

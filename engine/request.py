@@ -42,6 +42,9 @@ class AudioRequest:
     # Played as it is generated: the scheduler orders it by playback deadline and keeps it a
     # bounded lead ahead of real time (vllm_plugin/scheduler.py). Offline requests run flat out.
     realtime: bool = False
+    # Classifier-free guidance weight w (engine/cfg.py): 1 = none; otherwise the engine runs a
+    # shadow request on the unconditional prompt beside this one and merges their logits.
+    cfg_scale: float = 1.0
 
     def __post_init__(self) -> None:
         p = np.asarray(self.prompt)
@@ -53,6 +56,8 @@ class AudioRequest:
             raise ValueError(f"min_frames must be in [0, max_frames], got {self.min_frames}")
         if p[:, 1:].min() < 0 or p[:, 1:].max() >= vocab.TEXT_OFFSET:
             raise ValueError("prompt streams 1-8 must hold PAD or DAC ids")
+        if not (np.isfinite(self.cfg_scale) and self.cfg_scale >= 0):
+            raise ValueError(f"cfg_scale must be finite and >= 0, got {self.cfg_scale}")
 
     @property
     def prompt_len(self) -> int:
@@ -71,8 +76,30 @@ class AudioRequest:
                 "min_frames": int(self.min_frames),
                 "max_frames": int(self.max_frames),
                 "realtime": bool(self.realtime),
+                "cfg_scale": float(self.cfg_scale),
             }
         }
+
+
+def shadow_request(main_extra_args: dict[str, Any], main_id: str, main_prompt_ids: list[int]) -> tuple[list[int], dict[str, Any]]:
+    """The CFG shadow of a request, built in the engine core: (stream-0 prompt ids, extra_args).
+
+    Its prompt is `cfg.unconditional_prompt` of the main's; its extra_args are the main's with
+    that prompt's aux and a link back to the main."""
+    from engine import cfg
+
+    spec = WorkerRequestSpec.from_extra_args(main_extra_args, len(main_prompt_ids))
+    main_prompt = np.concatenate([np.asarray(main_prompt_ids, dtype=np.int64)[:, None], spec.prompt_aux], axis=1)
+    uncond = cfg.unconditional_prompt(main_prompt)
+    block = dict(main_extra_args[EXTRA_ARGS_KEY])
+    block["aux"] = np.ascontiguousarray(uncond[:, 1:], dtype=_AUX_DTYPE).tobytes()
+    block["shadow_of"] = main_id
+    return [int(t) for t in uncond[:, 0]], {**main_extra_args, EXTRA_ARGS_KEY: block}
+
+
+def cfg_scale_of(extra_args: dict[str, Any] | None) -> float:
+    """The request's CFG weight (1.0 when it has none)."""
+    return float(((extra_args or {}).get(EXTRA_ARGS_KEY) or {}).get("cfg_scale", 1.0))
 
 
 @dataclass(frozen=True)
@@ -82,6 +109,8 @@ class WorkerRequestSpec:
     prompt_aux: np.ndarray  # [P, 8] int64
     min_frames: int
     max_frames: int
+    cfg_scale: float = 1.0
+    shadow_of: str | None = None  # set on a CFG shadow: its main's request id
 
     @classmethod
     def from_extra_args(cls, extra_args: dict[str, Any] | None, prompt_len: int) -> "WorkerRequestSpec":
@@ -94,7 +123,13 @@ class WorkerRequestSpec:
         aux = np.frombuffer(block["aux"], dtype=_AUX_DTYPE).reshape(-1, vocab.NUM_CODEBOOKS)
         if aux.shape[0] != prompt_len:
             raise ValueError(f"prompt has {prompt_len} positions but {aux.shape[0]} aux rows")
-        return cls(aux.astype(np.int64), int(block["min_frames"]), int(block["max_frames"]))
+        return cls(
+            aux.astype(np.int64),
+            int(block["min_frames"]),
+            int(block["max_frames"]),
+            float(block.get("cfg_scale", 1.0)),
+            block.get("shadow_of"),
+        )
 
 
 @dataclass

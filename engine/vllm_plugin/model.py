@@ -28,7 +28,7 @@ from engine.checkpoint import NUM_HEAD_EMB
 from engine.request import WorkerRequestSpec
 from engine.sampling import SamplingConfig, sample_rows
 from engine.vllm_plugin.backbones import make_backbone
-from engine.vllm_plugin.stream_state import StepBatch, StreamStateStore
+from engine.vllm_plugin.stream_state import NO_PAIRS, CfgPairs, StepBatch, StreamStateStore
 
 
 class OpusLMForCausalLM(nn.Module):
@@ -47,6 +47,7 @@ class OpusLMForCausalLM(nn.Module):
         self.streams = StreamStateStore()
         self._head_bias: torch.Tensor | None = None  # heads.stream_bias, once weights are loaded
         self._batch: StepBatch | None = None  # set by the runner for one forward
+        self.step_pairs: CfgPairs = NO_PAIRS  # this step's CFG pairs (the runner copies stream 0)
 
     # --- request lifecycle (called by the runner) ------------------------------------------------
 
@@ -59,6 +60,7 @@ class OpusLMForCausalLM(nn.Module):
 
     def begin_step(self, batch: StepBatch) -> None:
         self._batch = batch
+        self.step_pairs = NO_PAIRS
 
     def end_step(self, req_ids: list[str], sampled: list[list[int]]) -> list[np.ndarray]:
         """Record stream 0's samples; return each output row's aux ids (empty if none)."""
@@ -108,15 +110,41 @@ class OpusLMForCausalLM(nn.Module):
             self._head_bias = heads.stream_bias(self.lm_head.weight, self.head_emb.weight)
         projected = projected.float()
         plan = self.streams.plan(batch)
+        pairs = self.step_pairs = self.streams.cfg_pairs(batch, plan)
+        dev = hidden_states.device
+        if len(pairs):
+            # CFG: each main row's logits become the merge of its own and its shadow's, for all
+            # 9 streams (one projection holds them all); the shadow then copies what the main
+            # samples: streams 1-8 here, stream 0 in the runner after vLLM's sampler
+            scale = torch.from_numpy(pairs.scales).to(dev)
+            main_t = torch.from_numpy(pairs.main_rows).to(dev)
+            heads.merge_cfg_(projected, main_t, torch.from_numpy(pairs.shadow_rows).to(dev), scale)
         rows = np.nonzero(plan.commit)[0]
         if len(rows):
-            idx = torch.from_numpy(rows).to(hidden_states.device)
-            configs, gens = self.streams.sampling_rows(batch, plan)
-            codes = sample_rows(heads.aux_logits(projected[idx], self._head_bias), configs, gens)
-            self.streams.commit(batch, plan, heads.aux_ids(codes.cpu().numpy(), plan.active[rows]))
+            ids = self._sample_aux(batch, plan, projected, rows, pairs)
+            self.streams.commit(batch, plan, ids)
         else:
             self.streams.step_aux = {}
         return heads.stream0_logits_(projected, self._head_bias, plan.rules, self.vocab_size)
+
+    def _sample_aux(self, batch: StepBatch, plan, projected: torch.Tensor, rows: np.ndarray, pairs: CfgPairs) -> np.ndarray:
+        """Aux ids [len(rows), 8] of the committing rows; a CFG shadow gets its main's."""
+        sampled = rows
+        if len(pairs):
+            sampled = rows[~np.isin(rows, pairs.shadow_rows)]
+        idx = torch.from_numpy(sampled).to(projected.device)
+        configs, gens = self.streams.sampling_rows(batch, sampled)
+        codes = sample_rows(heads.aux_logits(projected[idx], self._head_bias), configs, gens)
+        ids = heads.aux_ids(codes.cpu().numpy(), plan.active[sampled])
+        if len(sampled) == len(rows):
+            return ids
+        out = np.empty((len(rows), ids.shape[1]), dtype=ids.dtype)
+        pos = {int(r): j for j, r in enumerate(rows)}
+        out[[pos[int(r)] for r in sampled]] = ids
+        for m, s in zip(pairs.main_rows, pairs.shadow_rows):
+            if int(s) in pos:
+                out[pos[int(s)]] = out[pos[int(m)]]
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)

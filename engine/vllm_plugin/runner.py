@@ -3,6 +3,8 @@
 Hooks into vLLM's V1 model runner (all listed in engine/README.md):
   _update_states   new requests -> model.add_request; finished -> model.remove_request
   _model_forward   publish the step's rows (request ids, positions, partial-prefill mask)
+  _sample          after vLLM's sampler: a CFG shadow row takes its main's stream-0 token (before
+                   vLLM books it as the row's next input)
   sample_tokens    after vLLM sampled stream 0: record it, and attach each row's 8 aux ids to
                    ModelRunnerOutput.sampling_masks, which the scheduler slices per request and
                    vLLM's output path concatenates per token (lossless for a lagging consumer)
@@ -56,6 +58,15 @@ class OpusRunnerMixin:
             )
         )
         return super()._model_forward(*args, **kwargs)
+
+    def _sample(self, *args, **kwargs):
+        out = super()._sample(*args, **kwargs)
+        pairs = self.get_model().step_pairs
+        if len(pairs):
+            tok = out.sampled_token_ids
+            main = torch.from_numpy(pairs.main_rows).to(tok.device)
+            tok[torch.from_numpy(pairs.shadow_rows).to(tok.device)] = tok[main]
+        return out
 
     def sample_tokens(self, grammar_output):
         out = super().sample_tokens(grammar_output)

@@ -15,7 +15,11 @@
    than `pacing_lead_ms` sit the step out: generation stays a bounded lead ahead of playback, the
    others get a smaller, faster batch, and a barge-in throws little away.
 
-3. Step timing. Each step's duration (schedule to outputs) and batch size ride on one output's
+3. CFG pairs (cfg_pairs.py): a request with cfg_scale != 1 runs beside a shadow request on the
+   unconditional prompt; pairs are scheduled, preempted and finished whole, and the shadow's
+   outputs never leave the engine core.
+
+4. Step timing. Each step's duration (schedule to outputs) and batch size ride on one output's
    `kv_transfer_params` (unused without a KV connector) so the service's admission control
    measures the engine itself, not the gaps that pacing puts between a request's steps.
 """
@@ -29,6 +33,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from engine.delay import MAX_DELAY
 from engine.request import EXTRA_ARGS_KEY
+from engine.vllm_plugin.cfg_pairs import CfgPairsMixin
 
 FRAME_S = 0.020
 # Output tokens before a response's first audio chunk can be decoded: the delay, a 4-frame first
@@ -46,9 +51,10 @@ def order_by_slack(slacks: list[float], lead_s: float) -> tuple[list[int], list[
     return active, held
 
 
-class OpusScheduler(Scheduler):
+class OpusScheduler(CfgPairsMixin, Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._init_pairs()
         self.return_sampling_mask = True
         extra = (self.vllm_config.additional_config or {}).get("opuslm", {})
         self.pacing_lead_s = float(extra.get("pacing_lead_ms", DEFAULT_PACING_LEAD_MS)) / 1000.0
@@ -74,25 +80,45 @@ class OpusScheduler(Scheduler):
 
     def schedule(self, *args, **kwargs):
         now = self._step_started = time.monotonic()
-        running = self.running
-        active, held = order_by_slack([self.slack_s(r, now) for r in running], self.pacing_lead_s)
-        held_reqs = [running[i] for i in held]
-        self.running = [running[i] for i in active]
+        units = self.units(self.running)  # a CFG pair is one unit: ordered, held, preempted whole
+        active, held = order_by_slack([self.slack_s(u[0], now) for u in units], self.pacing_lead_s)
+        held_reqs = [r for i in held for r in units[i]]
+        active_units = [units[i] for i in active]
+        hidden = []
+        if self.shadow_of_main:
+            active_units, budget_held, budget, free, preempted = self.fit_running(active_units, now)
+            held_reqs += budget_held
+        self.running = [r for u in active_units for r in u]
         # held requests keep their runner slots: admit fewer new ones meanwhile
         saved_active = self.max_num_active_reqs
         self.max_num_active_reqs = max(saved_active - len(held_reqs), 0)
+        if self.shadow_of_main:
+            # like vLLM: nothing is admitted in a step that preempted
+            hidden = list(self.waiting) if preempted else self.waiting_to_hide(
+                budget, free, self.max_num_active_reqs - len(self.running), bool(self.running)
+            )
+            if hidden:
+                self.waiting.remove_requests(hidden)
         try:
-            return super().schedule(*args, **kwargs)
+            out = super().schedule(*args, **kwargs)
         finally:
             self.max_num_active_reqs = saved_active
             self.running = self.running + held_reqs
+            for r in hidden:
+                self.waiting.add_request(r)
+        self._step_pairs = self.check_pairs(out)
+        return out
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._reap_pairs()
+        self.drop_shadow_outputs(outputs)
         now = time.monotonic()
+        pairs = self._step_pairs
         timing = {STEP_TIMING_KEY: {"ms": 1000.0 * (now - self._step_started),
-                                    "batch": len(scheduler_output.num_scheduled_tokens),
-                                    "tokens": scheduler_output.total_num_scheduled_tokens}}
+                                    "batch": len(scheduler_output.num_scheduled_tokens) - pairs,
+                                    "tokens": scheduler_output.total_num_scheduled_tokens,
+                                    "cfg_pairs": pairs}}
         for engine_outputs in outputs.values():
             # one output per client and step is enough: every consumer sees the engine's steps
             # through whichever request it follows, and each dict costs serialization time

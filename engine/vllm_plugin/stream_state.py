@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine import delay, vocab
+from engine import cfg, delay, vocab
 from engine.request import WorkerRequestSpec
 from engine.sampling import SamplingConfig
 
@@ -33,6 +33,8 @@ class RequestStreams:
     aux: np.ndarray  # [capacity, 8] aux ids by position; rows < num_positions are valid
     num_positions: int  # positions whose aux is known (prompt + generated steps)
     eos_step: int = delay.NO_EOS
+    cfg_scale: float = 1.0  # CFG weight of a main request (1: no guidance)
+    shadow_of: str | None = None  # a CFG shadow: its main's id (it samples nothing itself)
 
     def append(self, ids: np.ndarray) -> None:
         if self.num_positions == self.aux.shape[0]:
@@ -75,9 +77,25 @@ class StepPlan:
 
 
 @dataclass
+class CfgPairs:
+    """The CFG pairs of one step, by batch row: main_rows[i] is guided by shadow_rows[i]."""
+
+    main_rows: np.ndarray  # [pairs] int64
+    shadow_rows: np.ndarray  # [pairs] int64
+    scales: np.ndarray  # [pairs] float32, w of each pair
+
+    def __len__(self) -> int:
+        return len(self.main_rows)
+
+
+NO_PAIRS = CfgPairs(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float32))
+
+
+@dataclass
 class StreamStateStore:
     requests: dict[str, RequestStreams] = field(default_factory=dict)
     step_aux: dict[str, np.ndarray] = field(default_factory=dict)  # aux committed this step
+    num_cfg: int = 0  # live CFG mains and shadows (0: a step needs no pair lookup)
 
     def add(self, req_id: str, spec: WorkerRequestSpec, sampling: SamplingConfig, device: torch.device) -> None:
         if req_id in self.requests:  # resumed after preemption: history is by position, keep it
@@ -93,10 +111,43 @@ class StreamStateStore:
             generator=sampling.aux_generator(device),
             aux=aux,
             num_positions=prompt_len,
+            cfg_scale=spec.cfg_scale,
+            shadow_of=spec.shadow_of,
         )
+        if spec.shadow_of is not None or cfg.uses_cfg(spec.cfg_scale):
+            self.num_cfg += 1
 
     def remove(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
+        st = self.requests.pop(req_id, None)
+        if st is not None and (st.shadow_of is not None or cfg.uses_cfg(st.cfg_scale)):
+            self.num_cfg -= 1
+
+    def cfg_pairs(self, batch: StepBatch, plan: StepPlan) -> CfgPairs:
+        """This step's pairs; raises if a pair is split or its rows are not at the same position
+        (the scheduler's pair invariants, checked again where a violation would do harm)."""
+        if not self.num_cfg:
+            return NO_PAIRS
+        row_of = {rid: r for r, rid in enumerate(batch.req_ids)}
+        next_pos = batch.start + batch.num_tokens
+        mains, shadows, scales = [], [], []
+        for r, rid in enumerate(batch.req_ids):
+            st = self.requests[rid]
+            if st.shadow_of is not None:
+                m = row_of.get(st.shadow_of)
+                if m is None:
+                    raise RuntimeError(f"CFG pair split: shadow {rid} scheduled without its main")
+                if next_pos[m] != next_pos[r] or plan.commit[m] != plan.commit[r]:
+                    raise RuntimeError(
+                        f"CFG pair {st.shadow_of}: main at position {next_pos[m]}, shadow at {next_pos[r]}"
+                    )
+                mains.append(m)
+                shadows.append(r)
+                scales.append(self.requests[st.shadow_of].cfg_scale)
+            elif cfg.uses_cfg(st.cfg_scale) and cfg.shadow_id(rid) not in row_of:
+                raise RuntimeError(f"CFG pair split: main {rid} scheduled without its shadow")
+        if not mains:
+            return NO_PAIRS
+        return CfgPairs(np.array(mains, np.int64), np.array(shadows, np.int64), np.array(scales, np.float32))
 
     def gather_aux(self, batch: StepBatch, num_tokens: int) -> np.ndarray:
         """[num_tokens, 8] aux ids of every scheduled token (PAD for padding tokens)."""
@@ -145,6 +196,6 @@ class StreamStateStore:
         if token == vocab.SOS_EOS and st.eos_step == delay.NO_EOS:
             st.eos_step = st.num_positions - 1 - st.prompt_len
 
-    def sampling_rows(self, batch: StepBatch, plan: StepPlan) -> tuple[list[SamplingConfig], list[torch.Generator | None]]:
-        rows = [self.requests[batch.req_ids[r]] for r in np.nonzero(plan.commit)[0]]
-        return [s.sampling for s in rows], [s.generator for s in rows]
+    def sampling_rows(self, batch: StepBatch, rows: np.ndarray) -> tuple[list[SamplingConfig], list[torch.Generator | None]]:
+        states = [self.requests[batch.req_ids[r]] for r in rows]
+        return [s.sampling for s in states], [s.generator for s in states]
