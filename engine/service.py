@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import vocab
+from engine import cfg, vocab
 from engine.capacity import CapacityModel
 from engine.delay import FrameAssembler
 from engine.dialogue import DialogueTurn, response_prompt, stable_user_prefix
@@ -187,6 +187,8 @@ class Conversation:
             return
         if self._response is not None:  # the history is not final until the answer is
             return
+        if cfg.uses_cfg(self._options.cfg_scale):  # CFG pairs do not read the prefix cache
+            return
         if self._prefill_task is not None and not self._prefill_task.done():
             return
         if (user.num_frames - user.prefilled_frames) * FRAME_MS < cfg.prefill_interval_ms:
@@ -222,6 +224,7 @@ class Conversation:
                 sampling=self._sampling,
                 cache_salt=self._salt,
                 realtime=True,
+                cfg_scale=self._options.cfg_scale,
             )
             response.pump = asyncio.ensure_future(self._engine._run_response(self, request, response))
             async for chunk in self._drain(response):

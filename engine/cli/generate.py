@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="request i uses seed + i")
     p.add_argument("--prompt-seed", type=int, default=0, help="seed of the synthetic prompts")
+    p.add_argument("--cfg-scale", type=float, default=1.0,
+                   help="classifier-free guidance weight w (1: none); engine/cfg.py")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--out", type=Path, required=True, help="output .npy [N, F, 9]")
     p.set_defaults(func=run)
@@ -56,6 +58,8 @@ def build_requests(args: argparse.Namespace) -> list[AudioRequest]:
         min_frames = min(args.min_frames, max_frames)
     if max_frames < 1:
         raise CliError("--frames/--max-frames must be >= 1")
+    if not args.cfg_scale >= 0:
+        raise CliError("--cfg-scale must be >= 0")
     reqs = []
     for i in range(args.requests):
         sampling = (
@@ -74,6 +78,7 @@ def build_requests(args: argparse.Namespace) -> list[AudioRequest]:
                 max_frames=max_frames,
                 min_frames=min_frames,
                 sampling=sampling,
+                cfg_scale=args.cfg_scale,
             )
         )
     return reqs
