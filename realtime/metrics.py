@@ -24,6 +24,8 @@ class GatewayMetrics:
         self.barge_ins = Counter("duplex_barge_ins", "Responses interrupted by user speech", registry=r)
         self.responses = Counter("duplex_responses", "Responses by final status", ["status"], registry=r)
         self.client_errors = Counter("duplex_client_errors", "error events sent for bad client input", registry=r)
+        self.frames_dropped = Counter("duplex_input_frames_dropped", "Client audio frames dropped by policy", ["transport", "reason"], registry=r)
+        self.webrtc_peers = Gauge("duplex_webrtc_peer_connections", "WebRTC peer connections alive", registry=r)
         self.engine_step_ms = Gauge("duplex_engine_step_ms", "Recent engine step time", registry=r)
         self.engine_batch = Gauge("duplex_engine_batch_size", "Recent mean engine batch size", registry=r)
         self.engine_capacity = Gauge("duplex_engine_capacity", "Conversations the engine can serve in real time", registry=r)

@@ -4,6 +4,7 @@
     GET  /metrics               Prometheus text (auth)
     GET  /, /web/...            the demo page, static files from web/ (no auth: they hold no secrets)
     WS   /v1/realtime           OpenAI-Realtime-style events (auth; realtime/transports/websocket.py)
+    POST /v1/realtime/calls     WebRTC SDP offer -> answer (auth; realtime/transports/webrtc.py)
 
 Transports (realtime/transports/, found by `transports.discover()`) register their routes here
 (`ws_routes`, `http_routes`) and share the session machinery:
@@ -99,6 +100,7 @@ class Gateway:
         self.ws_routes: dict[str, WsRoute] = {}
         self.http_routes: dict[str, HttpRoute] = {}
         self.closing = False
+        self.background: set[asyncio.Task] = set()  # sessions started by an HTTP request (WebRTC), not a socket
         self._server = None
         self._cleanup: list[Callable[[], Awaitable[None]]] = []  # transports' resources, closed at stop()
         self.port: int | None = None
@@ -127,7 +129,7 @@ class Gateway:
         self.closing = True
         for runner in list(self.sessions.values()):
             runner.shutdown("server_shutting_down", "the server is shutting down")
-        tasks = [r.task for r in self.sessions.values() if r.task]
+        tasks = [r.task for r in self.sessions.values() if r.task] + list(self.background)
         if tasks:
             await asyncio.wait(tasks, timeout=self.config.limits.close_timeout_s)
         for close in self._cleanup:

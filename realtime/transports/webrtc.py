@@ -1,0 +1,390 @@
+"""WebRTC transport (aiortc), signalled like the OpenAI Realtime API's WebRTC mode.
+
+    POST /v1/realtime/calls   body: the SDP offer (application/sdp)  ->  201, body: the SDP answer
+
+The browser sends its microphone as Opus 48 kHz on an audio track and opens a data channel named
+`oai-events` that carries the same JSON events as `WS /v1/realtime` (one `RealtimeProtocol` serves
+both). Differences, as in OpenAI's WebRTC mode: audio never travels in events, and the server owns the
+output buffer. So the answer goes out on our `PacedAudioTrack`, which hands aiortc one 20 ms frame per
+20 ms of wall time; the playback cursor is what that track has actually sent, and a barge-in drops
+the track's queue and sends `output_audio_buffer.cleared`. `output_audio_buffer.started|stopped`
+bracket each answer's audio.
+
+ICE: no STUN/TURN servers are configured (host candidates only; the offer must carry its candidates,
+no trickle). aioice never offers 127.0.0.1; when the gateway listens on loopback we add it, so a
+browser on the same machine connects without any network.
+
+Every peer connection belongs to one session and is closed when the session ends (hang-up, page
+gone, ICE/DTLS failure, server stop); `live_peer_connections` is exported in /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+import aioice.ice
+import numpy as np
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from av import AudioFrame
+
+from engine.service_api import AtCapacity
+from realtime.audio import StreamResampler
+from realtime.protocol import RealtimeProtocol
+from realtime.runner import SessionRunner
+from realtime.session import RATE_HZ, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone, new_id
+from realtime.transports.websocket import realtime_protocol
+
+if TYPE_CHECKING:
+    from realtime.server import Gateway, HttpReply, HttpRequest
+
+log = logging.getLogger("duplex.webrtc")
+
+CALLS_PATH = "/v1/realtime/calls"
+DATA_CHANNEL = "oai-events"
+RTP_RATE_HZ = 48_000
+FRAME_SAMPLES = RTP_RATE_HZ // 50  # 20 ms, Opus's frame
+MAX_OFFER_BYTES = 64 * 1024
+_MAX_LATE_FRAMES = 5  # behind schedule by more than this: restart the clock instead of bursting
+
+
+def register(gw: Gateway) -> None:
+    from realtime.server import HttpRoute
+
+    gw.http_routes[CALLS_PATH] = HttpRoute(handle_offer, methods=("POST",))
+    gw.webrtc_peers = set()
+    gw.metrics.webrtc_peers.set_function(lambda: len(gw.webrtc_peers))
+    if _is_loopback(gw.config.server.host):
+        _offer_loopback_candidates()
+
+    async def close_all() -> None:
+        for pc in list(gw.webrtc_peers):
+            await pc.close()
+
+    gw.on_stop(close_all)
+
+
+class PacedAudioTrack(MediaStreamTrack):
+    """The answer's audio, one 20 ms frame per 20 ms of wall time; silence when there is nothing to say.
+
+    `emitted_ms(response_id)` is the playback cursor: audio of that response handed to the encoder.
+    """
+
+    kind = "audio"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._queue: deque[tuple[str, np.ndarray]] = deque()
+        self._queued = 0
+        self._emitted: dict[str, int] = {}
+        self._start: float | None = None
+        self._pts = 0
+        self.underrun_frames = 0  # frames short of audio while an answer was queued and unfinished
+
+    def push(self, response_id: str, pcm48: np.ndarray) -> None:
+        if pcm48.size:
+            self._queue.append((response_id, pcm48))
+            self._queued += pcm48.size
+            self._emitted.setdefault(response_id, 0)
+
+    def clear(self) -> None:
+        self._queue.clear()
+        self._queued = 0
+
+    @property
+    def queued_ms(self) -> float:
+        return 1000.0 * self._queued / RTP_RATE_HZ
+
+    def emitted_ms(self, response_id: str) -> float:
+        return 1000.0 * self._emitted.get(response_id, 0) / RTP_RATE_HZ
+
+    def forget(self, response_id: str) -> None:
+        self._emitted.pop(response_id, None)
+
+    async def recv(self) -> AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        now = time.monotonic()
+        if self._start is None or now - (self._start + self._pts / RTP_RATE_HZ) > _MAX_LATE_FRAMES * 0.02:
+            self._start = now - self._pts / RTP_RATE_HZ
+        wait = self._start + self._pts / RTP_RATE_HZ - now
+        if wait > 0:
+            await asyncio.sleep(wait)
+        out = np.zeros(FRAME_SAMPLES, np.int16)
+        got = 0
+        while got < FRAME_SAMPLES and self._queue:
+            rid, head = self._queue[0]
+            take = min(FRAME_SAMPLES - got, head.size)
+            out[got:got + take] = head[:take]
+            if take == head.size:
+                self._queue.popleft()
+            else:
+                self._queue[0] = (rid, head[take:])
+            self._queued -= take
+            self._emitted[rid] = self._emitted.get(rid, 0) + take
+            got += take
+        frame = AudioFrame.from_ndarray(out.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = RTP_RATE_HZ
+        frame.pts = self._pts
+        frame.time_base = fractions.Fraction(1, RTP_RATE_HZ)
+        self._pts += FRAME_SAMPLES
+        return frame
+
+
+class _NoWireAudio:
+    """RealtimeProtocol's output encoder, for a transport whose audio never travels in events."""
+
+    def encode(self, pcm):
+        return []
+
+    def flush(self):
+        return []
+
+    def reset(self) -> None:
+        pass
+
+
+class WebRtcProtocol(RealtimeProtocol):
+    """RealtimeProtocol with the answer's audio on the paced track and the cursor read from it."""
+
+    def __init__(self, *args, track: PacedAudioTrack, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.track = track
+        self._resampler = StreamResampler(RATE_HZ, RTP_RATE_HZ)
+        self._playing: str | None = None  # response whose audio is in or was in the track
+        self._generated: set[str] = set()
+
+    def _make_encoder(self):
+        return _NoWireAudio()
+
+    def receive_audio(self, pcm, now: float) -> None:
+        self.sync_cursor()  # a barge-in in this audio truncates at what the track really sent
+        super().receive_audio(pcm, now)
+
+    def receive_text(self, text: str, now: float) -> None:
+        self.sync_cursor()
+        super().receive_text(text, now)
+
+    def sync_cursor(self) -> None:
+        r = self.session.response
+        if r is not None and r.id == self._playing and not r.status.finished:
+            self.session.receive_played(self.track.emitted_ms(r.id), 0, r.id)
+
+    def send_session_events(self, events: list) -> None:
+        super().send_session_events(events)
+        # An answer's audio is over when the session finished it and the track has played it all.
+        if self._playing in self._generated and self.track.queued_ms == 0:
+            self._emit("output_audio_buffer.stopped", response_id=self._playing)
+            self.track.forget(self._playing)
+            self._generated.discard(self._playing)
+            self._playing = None
+
+    def _send_response_created(self, ev: ResponseCreated) -> None:
+        self._resampler = StreamResampler(RATE_HZ, RTP_RATE_HZ)
+        super()._send_response_created(ev)
+
+    def _send_audio(self, ev: ResponseAudio) -> None:
+        if self._playing != ev.response_id:
+            self._playing = ev.response_id
+            self._emit("output_audio_buffer.started", response_id=ev.response_id)
+        super()._send_audio(ev)
+        self.track.push(ev.response_id, self._resampler.process(ev.pcm))
+
+    def _send_output_cleared(self, ev: OutputCleared) -> None:
+        self.track.clear()
+        if self._playing == ev.response_id:
+            self.track.forget(ev.response_id)
+            self._playing = None
+        super()._send_output_cleared(ev)
+
+    def _send_done(self, ev: ResponseDone) -> None:
+        if ev.response_id == self._playing:
+            self.track.push(ev.response_id, self._resampler.flush())
+            self._generated.add(ev.response_id)
+        super()._send_done(ev)
+
+    _SENDERS = {**RealtimeProtocol._SENDERS, ResponseCreated: _send_response_created, ResponseAudio: _send_audio,
+                OutputCleared: _send_output_cleared, ResponseDone: _send_done}
+
+
+class DataChannelLink:
+    """The runner's link over the `oai-events` data channel; the peer connection's life is the link's."""
+
+    def __init__(self, pc: RTCPeerConnection) -> None:
+        self.pc = pc
+        self.channel = None
+        self._open = asyncio.Event()
+        self._inbox: asyncio.Queue = asyncio.Queue(256)
+        self.dropped_messages = 0
+
+    def attach(self, channel) -> None:
+        self.channel = channel
+
+        @channel.on("message")
+        def _on_message(message) -> None:
+            try:
+                self._inbox.put_nowait(message)
+            except asyncio.QueueFull:
+                self.dropped_messages += 1  # a flooding client; the session reads at its own pace
+
+        @channel.on("close")
+        def _on_close() -> None:
+            self.end()
+
+        if channel.readyState == "open":
+            self._open.set()
+        else:
+            channel.on("open", self._open.set)
+
+    def end(self) -> None:
+        self._open.set()  # wake a waiting sender: it finds no channel and drops
+        try:
+            self._inbox.put_nowait(None)
+        except asyncio.QueueFull:
+            self._inbox.get_nowait()
+            self._inbox.put_nowait(None)
+
+    async def messages(self) -> AsyncIterator[str | bytes]:
+        while (message := await self._inbox.get()) is not None:
+            yield message
+
+    async def send(self, message: str | bytes) -> None:
+        await self._open.wait()
+        ch = self.channel
+        if ch is None or ch.readyState != "open":
+            return  # the peer is gone; the runner's reader ends the session
+        ch.send(message)
+        while ch.bufferedAmount > 256 * 1024 and ch.readyState == "open":
+            await asyncio.sleep(0.02)  # SCTP backpressure: the writer waits, the outbound queue bounds it
+
+    async def close(self, code: int, reason: str) -> None:
+        await self.pc.close()
+
+
+async def handle_offer(gw: Gateway, req: HttpRequest) -> HttpReply:
+    from realtime.server import HttpReply
+
+    ctype = req.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    if ctype != "application/sdp":
+        return _error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "invalid_request", "the offer must be sent as application/sdp")
+    try:
+        sdp = req.body.decode("utf-8")
+    except UnicodeDecodeError:
+        return _error(HTTPStatus.BAD_REQUEST, "invalid_offer", "the SDP offer is not UTF-8 text")
+    if not sdp.startswith("v=0") or "m=audio" not in sdp:
+        return _error(HTTPStatus.BAD_REQUEST, "invalid_offer", "the SDP offer must be an SDP document with an audio m-line")
+
+    session_id = new_id("sess")
+    track = PacedAudioTrack()
+    session = gw.new_session(session_id, output_frame_ms=20)
+    base = realtime_protocol(gw, session)
+    proto = WebRtcProtocol(session, base.limits, base.settings, base.opus, track=track)
+    try:
+        conv = gw.open_conversation(session_id, proto.settings.engine_options())
+    except AtCapacity as e:
+        return _error(HTTPStatus.SERVICE_UNAVAILABLE, AtCapacity.code, str(e), {"Retry-After": "5"})
+
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    gw.webrtc_peers.add(pc)
+    link = DataChannelLink(pc)
+    runner = SessionRunner(gw, link, proto, conv, "webrtc")
+    inputs: list[asyncio.Task] = []
+
+    @pc.on("datachannel")
+    def _on_datachannel(channel) -> None:
+        if channel.label == DATA_CHANNEL and link.channel is None:
+            link.attach(channel)
+
+    @pc.on("track")
+    def _on_track(remote) -> None:
+        if remote.kind == "audio":
+            inputs.append(asyncio.create_task(_read_microphone(remote, runner, gw)))
+
+    @pc.on("connectionstatechange")
+    async def _on_state() -> None:
+        if pc.connectionState in ("failed", "closed"):
+            link.end()
+
+    try:
+        await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+        pc.addTrack(track)  # answers the offer's audio m-line: sendrecv
+        await pc.setLocalDescription(await pc.createAnswer())
+    except Exception as e:  # a malformed or unsupported offer
+        log.info("session %s: bad offer: %s", session_id, e)
+        await pc.close()
+        gw.webrtc_peers.discard(pc)
+        await conv.close()
+        return _error(HTTPStatus.BAD_REQUEST, "invalid_offer", f"the SDP offer could not be used: {e}")
+
+    async def run() -> None:
+        try:
+            await asyncio.wait_for(link._open.wait(), gw.config.limits.open_timeout_s)
+        except asyncio.TimeoutError:
+            log.info("session %s: no %r data channel within %.0f s; closing", session_id, DATA_CHANNEL, gw.config.limits.open_timeout_s)
+            link.end()
+        try:
+            await gw.run_session(runner)
+        finally:
+            for t in inputs:
+                t.cancel()
+            track.stop()
+            await pc.close()
+            gw.webrtc_peers.discard(pc)
+
+    task = asyncio.create_task(run())
+    gw.background.add(task)
+    task.add_done_callback(gw.background.discard)
+    return HttpReply(HTTPStatus.CREATED, pc.localDescription.sdp, "application/sdp", {"Location": f"{CALLS_PATH}/{session_id}"})
+
+
+async def _read_microphone(remote, runner: SessionRunner, gw: Gateway) -> None:
+    """Decoded RTP audio -> int16 16 kHz mono -> the session (through the runner's queue)."""
+    resampler: StreamResampler | None = None
+    try:
+        while True:
+            frame = await remote.recv()
+            pcm = frame.to_ndarray()
+            channels = len(frame.layout.channels)
+            pcm = pcm.reshape(-1, channels).mean(axis=1).astype(np.int16) if channels > 1 else pcm.reshape(-1)
+            if pcm.dtype != np.int16:
+                pcm = np.clip(pcm * 32768.0, -32768, 32767).astype(np.int16)
+            if resampler is None or resampler.in_rate_hz != frame.sample_rate:
+                resampler = StreamResampler(frame.sample_rate, RATE_HZ)
+            pcm16 = resampler.process(pcm)
+            if pcm16.size and not runner.push_audio(pcm16):
+                gw.metrics.frames_dropped.labels("webrtc", "inbound_queue_full").inc()
+    except (MediaStreamError, asyncio.CancelledError):
+        return
+
+
+def _error(status: HTTPStatus, code: str, message: str, headers: dict | None = None) -> HttpReply:
+    from realtime.server import HttpReply
+
+    body = json.dumps({"error": {"type": "invalid_request_error" if status < 500 else "server_error", "code": code, "message": message}})
+    return HttpReply(status, body, "application/json", headers or {})
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+def _offer_loopback_candidates() -> None:
+    """aioice leaves 127.0.0.1 out of its host candidates; a loopback-only server needs it."""
+    if getattr(aioice.ice.get_host_addresses, "_duplex_loopback", False):
+        return
+    original = aioice.ice.get_host_addresses
+
+    def with_loopback(use_ipv4: bool, use_ipv6: bool) -> list[str]:
+        addresses = original(use_ipv4, use_ipv6)
+        return [*addresses, "127.0.0.1"] if use_ipv4 and "127.0.0.1" not in addresses else addresses
+
+    with_loopback._duplex_loopback = True
+    aioice.ice.get_host_addresses = with_loopback
