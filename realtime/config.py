@@ -78,12 +78,30 @@ class SessionSection:
 
 
 @dataclass(frozen=True)
+class TelephonySection:
+    """The Twilio Media Streams bridge (`WS /v1/telephony/twilio`, `POST|GET /v1/telephony/twiml`)."""
+
+    public_url: str | None = None  # how Twilio reaches us (https://voice.example.com); null: server.public_url, else the Host header
+    twilio_auth_token: str | None = None  # set: the TwiML webhook must carry a valid X-Twilio-Signature (or the gateway token)
+    end_call_digit: str | None = "#"  # DTMF digit that ends the call; null: none does
+    start_timeout_s: float = 10.0  # connected stream without a `start` for this long => closed
+    ticket_ttl_s: float = 60.0  # the one-time stream token in the TwiML is valid this long
+    # Turn detection of phone calls (8 kHz mu-law, line noise, the caller's speakerphone echoing us):
+    # a stricter threshold and 160 ms of speech before a barge-in; a longer pause ends a turn.
+    vad_threshold: float = 0.6
+    vad_prefix_padding_ms: int = 300
+    vad_silence_duration_ms: int = 600
+    vad_min_speech_ms: int = 160
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     server: ServerSection = field(default_factory=ServerSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
     audio: AudioSection = field(default_factory=AudioSection)
     vad: VadSection = field(default_factory=VadSection)
     session: SessionSection = field(default_factory=SessionSection)
+    telephony: TelephonySection = field(default_factory=TelephonySection)
     engine: dict = field(default_factory=dict)  # EngineServiceConfig fields (model: null = tiny model)
 
 
@@ -128,7 +146,8 @@ def config_from_dict(data: dict | None) -> ServerConfig:
     data = data or {}
     if not isinstance(data, dict):
         raise ValueError("config: the top level must be a mapping")
-    sections = {"server": ServerSection, "limits": LimitsSection, "audio": AudioSection, "vad": VadSection, "session": SessionSection}
+    sections = {"server": ServerSection, "limits": LimitsSection, "audio": AudioSection, "vad": VadSection, "session": SessionSection,
+                "telephony": TelephonySection}
     for k in data:
         if k not in sections and k != "engine":
             raise ValueError(f"config key '{k}': unknown section (known: {', '.join(sorted([*sections, 'engine']))})")
@@ -157,6 +176,15 @@ def validate(cfg: ServerConfig) -> None:
         ("vad.prefix_padding_ms", 0 <= cfg.vad.prefix_padding_ms <= 10_000),
         ("session.top_p", 0.0 < cfg.session.top_p <= 1.0),
         ("session.max_response_ms", cfg.session.max_response_ms > 0),
+        ("telephony.public_url", cfg.telephony.public_url is None or cfg.telephony.public_url.split("://")[0] in ("http", "https", "ws", "wss")),
+        ("telephony.end_call_digit", cfg.telephony.end_call_digit is None or (len(cfg.telephony.end_call_digit) == 1
+                                                                              and cfg.telephony.end_call_digit in "0123456789*#ABCD")),
+        ("telephony.start_timeout_s", cfg.telephony.start_timeout_s > 0),
+        ("telephony.ticket_ttl_s", cfg.telephony.ticket_ttl_s > 0),
+        ("telephony.vad_threshold", 0.0 <= cfg.telephony.vad_threshold <= 1.0),
+        ("telephony.vad_prefix_padding_ms", 0 <= cfg.telephony.vad_prefix_padding_ms <= 10_000),
+        ("telephony.vad_silence_duration_ms", 0 <= cfg.telephony.vad_silence_duration_ms <= 10_000),
+        ("telephony.vad_min_speech_ms", 0 <= cfg.telephony.vad_min_speech_ms <= 10_000),
     ]
     for key, ok in checks:
         if not ok:
@@ -165,7 +193,7 @@ def validate(cfg: ServerConfig) -> None:
 
 def with_overrides(cfg: ServerConfig, **keys) -> ServerConfig:
     """Apply dotted-key overrides (from CLI flags), e.g. with_overrides(cfg, **{"server.port": 9000}); None = keep."""
-    data = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("server", "limits", "audio", "vad", "session")}
+    data = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("server", "limits", "audio", "vad", "session", "telephony")}
     data["engine"] = dict(cfg.engine)
     for dotted, value in keys.items():
         if value is None:

@@ -15,6 +15,7 @@ class GatewayMetrics:
         self.sessions_active = Gauge("duplex_sessions_active", "Sessions open now", registry=r)
         self.sessions_total = Counter("duplex_sessions", "Sessions accepted since start", registry=r)
         self.sessions_refused = Counter("duplex_sessions_refused", "Sessions refused", ["reason"], registry=r)
+        self.telephony_faults = Counter("duplex_telephony_faults", "Bad Twilio Media Streams input (message skipped or stream closed)", ["kind"], registry=r)
         self.ttfa = Histogram(
             "duplex_time_to_first_audio_seconds", "End of user speech to the first audio frame sent",
             buckets=(0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0), registry=r,
