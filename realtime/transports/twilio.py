@@ -1,0 +1,176 @@
+"""Telephony: Twilio Media Streams (`WS /v1/telephony/twilio`) and the TwiML that opens them (`/v1/telephony/twiml`).
+
+A call to a Twilio number fetches our TwiML (`POST|GET /v1/telephony/twiml`), which answers
+`<Connect><Stream url="wss://HOST/v1/telephony/twilio"><Parameter name="token" .../></Stream></Connect>`:
+Twilio opens a bidirectional stream to us and passes the token back in `start.customParameters`
+(it cannot set headers), so the WebSocket route takes no HTTP auth and the stream authenticates at
+`start`. The token in the TwiML is a one-time ticket bound to the call, valid `ticket_ttl_s`: the
+TwiML body (which Twilio logs) never holds the gateway's token. A stream may also carry the gateway
+token itself (custom TwiML). The webhook takes a valid X-Twilio-Signature when
+`telephony.twilio_auth_token` is set, or the gateway token (`?token=` / Bearer).
+
+The protocol is `realtime.twilio_protocol.TwilioProtocol`; this module is its I/O shell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, urlencode
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from engine.service_api import AtCapacity
+from realtime.runner import CLOSE_TRY_AGAIN, SessionRunner
+from realtime.session import new_id
+from realtime.transports.websocket import WebSocketLink
+from realtime.twilio_protocol import (
+    FRAME_MS,
+    StreamState,
+    TwilioProtocol,
+    render_twiml,
+    signature_valid,
+    stream_url,
+)
+from realtime.vad import VadParams
+
+if TYPE_CHECKING:
+    from realtime.server import Gateway, HttpReply, HttpRequest
+
+log = logging.getLogger("duplex.twilio")
+
+STREAM_PATH = "/v1/telephony/twilio"
+TWIML_PATH = "/v1/telephony/twiml"
+CLOSE_POLICY = 1008
+
+
+def register(gw: Gateway) -> None:
+    from realtime.server import HttpRoute, WsRoute
+
+    bridge = TwilioBridge(gw)
+    gw.ws_routes[STREAM_PATH] = WsRoute(bridge.stream, auth=False)
+    gw.http_routes[TWIML_PATH] = HttpRoute(bridge.twiml, methods=("POST", "GET"), auth=False)
+
+
+class TicketBook:
+    """One-time stream tokens handed out in TwiML, each bound to its call (when the webhook named one)."""
+
+    def __init__(self, ttl_s: float, max_open: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self.max_open, self.clock = ttl_s, max_open, clock
+        self._open: dict[str, tuple[float, str | None]] = {}  # token -> (expiry, call sid)
+
+    def issue(self, call_sid: str | None) -> str:
+        now = self.clock()
+        self._open = {t: v for t, v in self._open.items() if v[0] > now}
+        while len(self._open) >= self.max_open:  # a flood of webhooks: the oldest tickets go first
+            self._open.pop(next(iter(self._open)))
+        token = secrets.token_urlsafe(18)
+        self._open[token] = (now + self.ttl_s, call_sid)
+        return token
+
+    def redeem(self, token: str, call_sid: str) -> bool:
+        entry = self._open.pop(token, None)
+        return entry is not None and entry[0] > self.clock() and entry[1] in (None, call_sid)
+
+
+def telephony_vad(gw: Gateway) -> VadParams:
+    t = gw.config.telephony
+    return VadParams(threshold=t.vad_threshold, prefix_padding_ms=t.vad_prefix_padding_ms, silence_duration_ms=t.vad_silence_duration_ms,
+                     create_response=True, interrupt_response=True, min_speech_ms=t.vad_min_speech_ms)
+
+
+class TwilioBridge:
+    def __init__(self, gw: Gateway) -> None:
+        self.tickets = TicketBook(gw.config.telephony.ticket_ttl_s)
+
+    # ---- TwiML webhook ----
+    async def twiml(self, gw: Gateway, req: HttpRequest) -> HttpReply:
+        from realtime.server import HttpReply
+
+        form = parse_qsl(req.body.decode("utf-8", "replace"), keep_blank_values=True) if req.method == "POST" else []
+        if not self._webhook_authorized(gw, req, form):
+            status = HTTPStatus.FORBIDDEN if gw.config.telephony.twilio_auth_token else HTTPStatus.UNAUTHORIZED
+            gw.metrics.sessions_refused.labels("unauthorized").inc()
+            return HttpReply(status, "invalid X-Twilio-Signature or token\n")
+        call_sid = dict(form).get("CallSid") or next(iter(req.query.get("CallSid", [])), None)
+        params = {"token": self.tickets.issue(call_sid)} if gw.token else {}
+        url = stream_url(self._public_base(gw, req), STREAM_PATH)
+        return HttpReply(HTTPStatus.OK, render_twiml(url, params), "text/xml; charset=utf-8")
+
+    def _public_base(self, gw: Gateway, req: HttpRequest) -> str:
+        return gw.config.telephony.public_url or gw.config.server.public_url or f"https://{req.headers.get('Host', 'localhost')}"
+
+    def _webhook_authorized(self, gw: Gateway, req: HttpRequest, form: list[tuple[str, str]]) -> bool:
+        auth_token = gw.config.telephony.twilio_auth_token
+        if not auth_token:
+            return gw.authorized(req.headers, req.query)
+        signature = req.headers.get("X-Twilio-Signature")
+        if signature:
+            query = urlencode([(k, v) for k, vs in req.query.items() for v in vs])
+            url = self._public_base(gw, req).rstrip("/") + req.path + (f"?{query}" if query else "")
+            if signature_valid(auth_token, url, form, signature):
+                return True
+            log.warning("twiml webhook: X-Twilio-Signature does not match %s", url)
+        return bool(gw.token) and gw.authorized(req.headers, req.query)
+
+    # ---- the media stream ----
+    async def stream(self, gw: Gateway, ws: ServerConnection) -> None:
+        session_id = new_id("sess")
+        proto = TwilioProtocol(gw.new_session(session_id, vad=telephony_vad(gw), output_frame_ms=FRAME_MS),
+                               end_call_digit=gw.config.telephony.end_call_digit,
+                               on_fault=lambda kind: gw.metrics.telephony_faults.labels(kind).inc())
+        if not await self._await_start(gw, ws, proto):
+            return
+        start = proto.start
+        token = start.custom_parameters.get("token", "")
+        if not self._stream_authorized(gw, token, start.call_sid):
+            log.warning("twilio stream %s (call %s): missing or invalid token: closed", start.stream_sid, start.call_sid)
+            gw.metrics.sessions_refused.labels("unauthorized").inc()
+            await ws.close(CLOSE_POLICY, "missing or invalid token")
+            return
+        from realtime.server import session_settings
+
+        try:
+            conv = gw.open_conversation(session_id, session_settings(gw.config).engine_options())
+        except AtCapacity as e:
+            log.warning("twilio stream %s (call %s): refused: %s", start.stream_sid, start.call_sid, e)
+            await ws.close(CLOSE_TRY_AGAIN, "server at capacity")
+            return
+        await gw.run_session(SessionRunner(gw, WebSocketLink(ws), proto, conv, "twilio"))
+        log.info("twilio stream %s: ended (%d frames in, %d out, %d marks echoed, %d clears, digits %r, faults %s)",
+                 start.stream_sid, proto.stats.media_in, proto.stats.media_out, proto.stats.marks_echoed, proto.stats.clears,
+                 "".join(proto.stats.digits), dict(proto.faults) or "none")
+
+    async def _await_start(self, gw: Gateway, ws: ServerConnection, proto: TwilioProtocol) -> bool:
+        """Read until `start` (`connected` comes first); False when the stream ended or was closed instead."""
+        try:
+            async with asyncio.timeout(gw.config.telephony.start_timeout_s):
+                async for message in ws:
+                    proto.receive(message, time.monotonic())
+                    if proto.state is not StreamState.AWAITING_START:
+                        break
+        except TimeoutError:
+            log.warning("twilio stream: no start within %.0f s: closed", gw.config.telephony.start_timeout_s)
+            await ws.close(CLOSE_POLICY, "no start message")
+            return False
+        except ConnectionClosed:
+            return False
+        if proto.state is not StreamState.STREAMING:
+            code, reason = proto.closing or (1000, "")
+            await ws.close(code, reason)
+            return False
+        return True
+
+    def _stream_authorized(self, gw: Gateway, token: str, call_sid: str) -> bool:
+        if not gw.token:
+            return True
+        if token and hmac.compare_digest(token, gw.token):
+            return True
+        return bool(token) and self.tickets.redeem(token, call_sid)
