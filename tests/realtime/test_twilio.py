@@ -240,11 +240,16 @@ def test_echoed_marks_are_the_played_cursor_and_barge_in_truncates_at_the_last_o
     s.poll_audio(now + 1)
     proto.send_session_events(s.events())
     assert out(proto) == [] and s.played_ms(now) == last_echoed and proto.stats.marks_echoed == 10
-    # the next response starts at 0 played: an old mark does not move it
-    s.receive_response_create(now)
-    proto.send_session_events(s.events())
-    proto.receive(wire.mark(names[12]), now)
-    assert s.played_ms(now + 10) == 0.0
+    assert proto.faults["bad_mark"] == 1  # stale marks are expected after a clear: ignored, not faults
+    # the next response starts at 0 played, and a late mark of the old one (same ms range) does not move it
+    rid2 = s.receive_response_create(now)
+    s.receive_engine_chunk(rid2, np.ones(16000, np.int16), "", False, None, now)
+    for k in range(40):
+        s.poll_audio(now + 0.02 * k)
+        proto.send_session_events(s.events())
+    assert parse_mark(out(proto)[-1]["mark"]["name"])[1] > parse_mark(names[12])[1]
+    proto.receive(wire.mark(names[12]), now + 1)
+    assert s.played_ms(now + 10) == 0.0 and proto.stats.marks_echoed == 10
 
 
 def test_barge_in_before_any_echo_keeps_nothing():
