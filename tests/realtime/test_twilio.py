@@ -411,7 +411,7 @@ def gateway(loop_thread, tiny_model):
     cfg = config_from_dict({
         "server": {"port": 0, "token": TOKEN},
         "session": {"max_response_ms": MAX_RESPONSE_MS, "temperature": 0.0},
-        "telephony": {"twilio_auth_token": TWILIO_AUTH_TOKEN, "end_call_digit": "#"},
+        "telephony": {"twilio_auth_token": TWILIO_AUTH_TOKEN, "end_call_digit": "#", "start_timeout_s": 2.0},
     })
     gw = Gateway(eng, cfg)
     loop_thread.run(gw.start())
@@ -677,11 +677,12 @@ def test_webhook_and_stream_auth(gateway):
     ca1 = ET.fromstring(body).find("./Connect/Stream/Parameter").get("value")
     assert status == 200 and ca1 and TOKEN not in (ca1, any_call)  # one-time tickets, never the gateway token
 
-    async def attempt(params: dict, call_sid: str = "CA1", fmt: dict = FORMAT, digit: str | None = None) -> int | None:
+    async def attempt(params: dict | None, call_sid: str = "CA1", fmt: dict = FORMAT, digit: str | None = None) -> int | None:
         ws = await websockets.connect(f"ws://127.0.0.1:{gateway.port}/v1/telephony/twilio")
         await ws.send(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
-        await ws.send(json.dumps({"event": "start", "sequenceNumber": "1", "streamSid": "MZ9", "start": {
-            "streamSid": "MZ9", "accountSid": "AC0", "callSid": call_sid, "tracks": ["inbound"], "customParameters": params, "mediaFormat": fmt}}))
+        if params is not None:  # None: no start at all
+            await ws.send(json.dumps({"event": "start", "sequenceNumber": "1", "streamSid": "MZ9", "start": {
+                "streamSid": "MZ9", "accountSid": "AC0", "callSid": call_sid, "tracks": ["inbound"], "customParameters": params, "mediaFormat": fmt}}))
         if digit:
             await ws.send(json.dumps({"event": "dtmf", "sequenceNumber": "2", "streamSid": "MZ9", "dtmf": {"track": "inbound_track", "digit": digit}}))
         try:
@@ -695,8 +696,9 @@ def test_webhook_and_stream_auth(gateway):
                  await attempt({"token": ca1}, call_sid="CA-other"),  # bound to CA1
                  await attempt({"token": ca1}, call_sid="CA1"),  # used up by the wrong call above
                  await attempt({"token": TOKEN}, fmt={"encoding": "audio/l16", "sampleRate": 16000, "channels": 1}),
-                 await attempt({"token": any_call}, digit="#")]  # accepted; the end-call digit hangs up
+                 await attempt({"token": any_call}, digit="#"),  # accepted; the end-call digit hangs up
+                 await attempt(None)]  # no start within telephony.start_timeout_s
         await until(lambda: not any(r.transport == "twilio" for r in gateway.sessions.values()), 30, "no sessions")
         return codes
 
-    assert run(main()) == [1008, 1008, 1008, 1008, 1003, 1000]
+    assert run(main()) == [1008, 1008, 1008, 1008, 1003, 1000, 1008]
