@@ -160,8 +160,10 @@ class TwilioProtocol:
             return self._fault("binary_frame", f"{len(message)} bytes (Twilio sends JSON text frames)")
         try:
             msg = json.loads(message)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except json.JSONDecodeError as e:
             return self._fault("invalid_json", f"{e.msg} at position {e.pos}")
+        except RecursionError:
+            return self._fault("invalid_json", "nested too deeply")
         if not isinstance(msg, dict):
             return self._fault("invalid_json", "a message must be a JSON object")
         event = msg.get("event")

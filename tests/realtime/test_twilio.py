@@ -270,6 +270,7 @@ def test_barge_in_before_any_echo_keeps_nothing():
 @pytest.mark.parametrize("message, fault", [
     ("{nope", "invalid_json"),
     ("[1, 2]", "invalid_json"),
+    ("[" * 100_000 + "]" * 100_000, "invalid_json"),
     (b"\x00\x01binary", "binary_frame"),
     (json.dumps({"event": "hello", "streamSid": SID}), "unknown_event"),
     (json.dumps({"streamSid": SID}), "unknown_event"),
