@@ -182,8 +182,8 @@ class Conversation:
         self._maybe_prefill(user)
 
     def _maybe_prefill(self, user: _UserTurn) -> None:
-        cfg = self._engine.config
-        if not cfg.incremental_prefill or user is not self._user or user.done is not None:
+        conf = self._engine.config
+        if not conf.incremental_prefill or user is not self._user or user.done is not None:
             return
         if self._response is not None:  # the history is not final until the answer is
             return
@@ -191,7 +191,7 @@ class Conversation:
             return
         if self._prefill_task is not None and not self._prefill_task.done():
             return
-        if (user.num_frames - user.prefilled_frames) * FRAME_MS < cfg.prefill_interval_ms:
+        if (user.num_frames - user.prefilled_frames) * FRAME_MS < conf.prefill_interval_ms:
             return
         user.prefilled_frames = user.num_frames
         prompt = stable_user_prefix(self._turns, user.all_frames())
