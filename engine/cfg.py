@@ -44,6 +44,7 @@ def unconditional_prompt(prompt: np.ndarray) -> np.ndarray:
 
 
 def merge(cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """cond * w + uncond * (1 - w), row-wise: cond/uncond [rows, ...], scale [rows]."""
+    """uncond + w * (cond - uncond) (= cond * w + uncond * (1 - w)), row-wise: cond/uncond
+    [rows, ...], scale [rows]. One fused pass (torch.lerp)."""
     w = scale.to(cond.dtype).view((-1,) + (1,) * (cond.dim() - 1))
-    return cond * w + uncond * (1.0 - w)
+    return torch.lerp(uncond, cond, w)

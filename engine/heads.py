@@ -55,23 +55,28 @@ def merge_cfg_(projected: torch.Tensor, cond_rows: torch.Tensor, uncond_rows: to
     Only the audio ids [0, AUDIO_END) are merged: every stream's logits come from there (stream 0's
     text ids are masked out in an audio segment), so the rest is never read.
     """
-    cond = projected[cond_rows, :AUDIO_END]
-    projected[cond_rows, :AUDIO_END] = cfg.merge(cond, projected[uncond_rows, :AUDIO_END], scale)
+    audio = projected[:, :AUDIO_END]
+    merged = cfg.merge(audio.index_select(0, cond_rows), audio.index_select(0, uncond_rows), scale)
+    audio.index_copy_(0, cond_rows, merged)
 
 
-def stream0_logits_(projected: torch.Tensor, bias: torch.Tensor, rules: np.ndarray, vocab_size: int) -> torch.Tensor:
-    """Stream 0's logits, written over `projected` (so take `aux_logits` first): [rows, vocab_size].
+# Stream 0 emits only ids below this in an audio segment (specials, SSL); its logits stop here, so
+# a sampler looks at 5256 ids instead of the whole vocabulary and a sampled index is the global id.
+STREAM0_WIDTH = _SSL_HI
+
+
+def stream0_logits_(projected: torch.Tensor, bias: torch.Tensor, rules: np.ndarray) -> torch.Tensor:
+    """Stream 0's logits [rows, STREAM0_WIDTH], written over `projected` (take `aux_logits` first).
 
     Stream 0 samples SSL ids, plus EOS where the rule allows it; everything else is -inf, and a
     forced row gets a single finite entry, so any sampler (greedy or not) picks it. Working in
-    place saves two passes over a [rows, vocab] tensor per step.
+    place saves passes over a [rows, vocab] tensor per step.
     """
-    out = projected[:, :vocab_size]
+    out = projected[:, :STREAM0_WIDTH]
     rules_t = torch.from_numpy(np.asarray(rules, dtype=np.int64)).to(out.device)
     eos = torch.where(rules_t == Stream0Rule.SSL_OR_EOS, out[:, vocab.SOS_EOS] + bias[vocab.SOS_EOS], float("-inf"))
     out[:, :_SSL_LO] = float("-inf")
-    out[:, _SSL_HI:] = float("-inf")
-    out[:, _SSL_LO:_SSL_HI] += bias[_SSL_LO:_SSL_HI]
+    out[:, _SSL_LO:] += bias[_SSL_LO:STREAM0_WIDTH]
     out[:, vocab.SOS_EOS] = eos
     forced = np.nonzero(np.asarray(rules) >= Stream0Rule.FORCE_EOS)[0]
     if len(forced):

@@ -163,7 +163,7 @@ class ReferenceOpusLM:
                 heads.merge_cfg_(projected, torch.tensor([0]), torch.tensor([1]), scale)
             projected = projected[:1]
             codes = sample_rows(heads.aux_logits(projected, self._head_bias), [samp], [gen_aux])
-            logits0 = heads.stream0_logits_(projected, self._head_bias, rule, cfg_.vocab_size)
+            logits0 = heads.stream0_logits_(projected, self._head_bias, rule)
             active = delay.aux_active(np.array([s]), np.array([eos_step]))
             tok0 = int(sample_rows(logits0, [samp], [gen0])[0])
             step = np.concatenate([[tok0], heads.aux_ids(codes.cpu().numpy(), active)[0]])

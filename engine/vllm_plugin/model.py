@@ -125,7 +125,8 @@ class OpusLMForCausalLM(nn.Module):
             self.streams.commit(batch, plan, ids)
         else:
             self.streams.step_aux = {}
-        return heads.stream0_logits_(projected, self._head_bias, plan.rules, self.vocab_size)
+        # contiguous: vLLM's CPU sampling kernels read rows densely
+        return heads.stream0_logits_(projected, self._head_bias, plan.rules).contiguous()
 
     def _sample_aux(self, batch: StepBatch, plan, projected: torch.Tensor, rows: np.ndarray, pairs: CfgPairs) -> np.ndarray:
         """Aux ids [len(rows), 8] of the committing rows; a CFG shadow gets its main's."""

@@ -3,8 +3,9 @@
 Hooks into vLLM's V1 model runner (all listed in engine/README.md):
   _update_states   new requests -> model.add_request; finished -> model.remove_request
   _model_forward   publish the step's rows (request ids, positions, partial-prefill mask)
-  _sample          after vLLM's sampler: a CFG shadow row takes its main's stream-0 token (before
-                   vLLM books it as the row's next input)
+  _sample          before vLLM's sampler: top-k counted against stream 0's narrow logits; after
+                   it: a CFG shadow row takes its main's stream-0 token (before vLLM books it
+                   as the row's next input)
   sample_tokens    after vLLM sampled stream 0: record it, and attach each row's 8 aux ids to
                    ModelRunnerOutput.sampling_masks, which the scheduler slices per request and
                    vLLM's output path concatenates per token (lossless for a lagging consumer)
@@ -59,8 +60,13 @@ class OpusRunnerMixin:
         )
         return super()._model_forward(*args, **kwargs)
 
-    def _sample(self, *args, **kwargs):
-        out = super()._sample(*args, **kwargs)
+    def _sample(self, logits, *args, **kwargs):
+        md = self.input_batch.sampling_metadata
+        if md.top_k is not None and logits is not None:
+            # stream 0's logits are heads.STREAM0_WIDTH wide, not the vocabulary: vLLM marks rows
+            # without top-k by k == vocab size, which must read k == width
+            md.top_k = md.top_k.clamp(max=logits.shape[-1])
+        out = super()._sample(logits, *args, **kwargs)
         pairs = self.get_model().step_pairs
         if len(pairs):
             tok = out.sampled_token_ids
