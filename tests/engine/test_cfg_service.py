@@ -1,0 +1,50 @@
+"""A conversation with cfg_scale != 1 answers with guidance, end to end through engine.service:
+its answer is the reference's CFG generation for the same prompt, and differs from the unguided one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.codec.synth import speech_like
+from engine.reference import ReferenceOpusLM
+from engine.request import AudioRequest
+from engine.sampling import GREEDY
+from engine.service import Engine, EngineServiceConfig
+from engine.service_api import ConversationOptions
+
+pytestmark = pytest.mark.vllm
+
+MAX_RESPONSE_MS = 600.0  # 30 frames
+
+
+@pytest.fixture(scope="module")
+def service(loop_thread, tiny_model):
+    eng = loop_thread.run(Engine.start(EngineServiceConfig(model=str(tiny_model), capacity_override=2, warmup=False)))
+    yield eng
+    loop_thread.run(eng.shutdown())
+
+
+def test_guided_conversation_equals_the_reference_cfg(service, loop_thread, tiny_model) -> None:
+    options = ConversationOptions(temperature=0.0, max_response_ms=MAX_RESPONSE_MS, cfg_scale=2.5)
+    pcm = (speech_like(1.0, seed=11) * 20000).astype(np.int16)
+
+    async def run():
+        conv = service.open_conversation("guided", options)
+        conv.push_user_audio(pcm)
+        conv.end_user_turn()
+        chunks = [c async for c in conv.respond()]
+        prompt, frames = conv.last_prompt.copy(), conv._turns[-1].frames.copy()
+        await conv.close()
+        return chunks, prompt, frames
+
+    chunks, prompt, frames = loop_thread.run(run())
+    assert chunks and chunks[-1].is_last
+    ref = ReferenceOpusLM.from_dir(tiny_model)
+    max_frames = int(MAX_RESPONSE_MS // 20)
+    guided = ref.generate(AudioRequest(prompt, max_frames, 1, GREEDY, cfg_scale=2.5)).frames
+    plain = ref.generate(AudioRequest(prompt, max_frames, 1, GREEDY)).frames
+    np.testing.assert_array_equal(frames, guided)
+    assert not np.array_equal(guided, plain)
+    assert sum(c.duration_ms for c in chunks) == pytest.approx(len(frames) * 20.0)
+
