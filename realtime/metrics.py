@@ -25,6 +25,7 @@ class GatewayMetrics:
         self.barge_ins = Counter("duplex_barge_ins", "Responses interrupted by user speech", registry=r)
         self.responses = Counter("duplex_responses", "Responses by final status", ["status"], registry=r)
         self.client_errors = Counter("duplex_client_errors", "error events sent for bad client input", registry=r)
+        self.input_frames = Counter("duplex_input_frames", "Client audio frames consumed by sessions (all transports)", registry=r)
         self.frames_dropped = Counter("duplex_input_frames_dropped", "Client audio frames dropped by policy", ["transport", "reason"], registry=r)
         self.webrtc_peers = Gauge("duplex_webrtc_peer_connections", "WebRTC peer connections alive", registry=r)
         self.engine_step_ms = Gauge("duplex_engine_step_ms", "Recent engine step time", registry=r)
@@ -37,6 +38,7 @@ class GatewayMetrics:
         self.barge_ins.inc(new.barge_ins - old.barge_ins)
         self.underruns.inc(new.underruns_reported - old.underruns_reported)
         self.chunks_late.inc(new.chunks_late - old.chunks_late)
+        self.input_frames.inc(new.input_frames - old.input_frames)
         for ms in new.ttfa_ms[len(old.ttfa_ms):]:
             self.ttfa.observe(ms / 1000.0)
 

@@ -188,6 +188,7 @@ class SessionStats:
     barge_ins: int = 0
     underruns_reported: int = 0
     chunks_late: int = 0
+    input_frames: int = 0  # audio frames (messages, RTP frames) the session consumed
     ttfa_ms: list = field(default_factory=list)
 
 
@@ -267,6 +268,7 @@ class Session:
     # ---- user audio ----
     def receive_audio(self, pcm: np.ndarray, now: float, probs: list[float] | None = None) -> None:
         """User audio (int16, 16 kHz). `probs`: Silero output for exactly this audio, if computed elsewhere."""
+        self.stats.input_frames += 1
         if pcm.size == 0:
             return
         chunk_end_ms = 1000.0 * (self._input_samples + pcm.size) / RATE_HZ

@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "engine.cli.convert",
     "realtime.cli.serve",
     "realtime.cli.client",
+    "realtime.cli.soak",
 )
 
 

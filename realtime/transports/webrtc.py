@@ -297,6 +297,7 @@ async def handle_offer(gw: Gateway, req: HttpRequest) -> HttpReply:
     link = DataChannelLink(pc)
     runner = SessionRunner(gw, link, proto, conv, "webrtc")
     inputs: list[asyncio.Task] = []
+    mic = MicCounts()
 
     @pc.on("datachannel")
     def _on_datachannel(channel) -> None:
@@ -306,7 +307,8 @@ async def handle_offer(gw: Gateway, req: HttpRequest) -> HttpReply:
     @pc.on("track")
     def _on_track(remote) -> None:
         if remote.kind == "audio":
-            inputs.append(asyncio.create_task(_read_microphone(remote, runner, gw)))
+            mic.receivers = [r for r in pc.getReceivers() if r.track is remote]
+            inputs.append(asyncio.create_task(_read_microphone(remote, runner, gw, mic)))
 
     @pc.on("connectionstatechange")
     async def _on_state() -> None:
@@ -338,6 +340,7 @@ async def handle_offer(gw: Gateway, req: HttpRequest) -> HttpReply:
             track.stop()
             await pc.close()
             gw.webrtc_peers.discard(pc)
+            await mic.account(runner, gw)
 
     task = asyncio.create_task(run())
     gw.background.add(task)
@@ -345,12 +348,38 @@ async def handle_offer(gw: Gateway, req: HttpRequest) -> HttpReply:
     return HttpReply(HTTPStatus.CREATED, pc.localDescription.sdp, "application/sdp", {"Location": f"{CALLS_PATH}/{session_id}"})
 
 
-async def _read_microphone(remote, runner: SessionRunner, gw: Gateway) -> None:
+class MicCounts:
+    """Every RTP audio frame that reached us is consumed by the session or dropped with a counted reason."""
+
+    def __init__(self) -> None:
+        self.receivers: list = []
+        self.decoded = 0  # frames out of aiortc's decoder
+        self.queue_full = 0  # dropped: the session's inbound queue was full
+
+    async def account(self, runner: SessionRunner, gw: Gateway) -> None:
+        """At hang-up: frames decoded but not consumed, and packets still in aiortc's jitter buffer."""
+        drop = gw.metrics.frames_dropped
+        tail = self.decoded - self.queue_full - runner.session.stats.input_frames
+        if tail > 0:
+            drop.labels("webrtc", "in_queue_at_hangup").inc(tail)
+        received = 0
+        for receiver in self.receivers:
+            try:
+                stats = await receiver.getStats()
+            except Exception:  # stats of a torn-down transport: nothing more to count
+                continue
+            received += sum(st.packetsReceived for st in stats.values() if getattr(st, "type", "") == "inbound-rtp")
+        if received > self.decoded:
+            drop.labels("webrtc", "jitter_buffer_at_hangup").inc(received - self.decoded)
+
+
+async def _read_microphone(remote, runner: SessionRunner, gw: Gateway, counts: MicCounts) -> None:
     """Decoded RTP audio -> int16 16 kHz mono -> the session (through the runner's queue)."""
     resampler: StreamResampler | None = None
     try:
         while True:
             frame = await remote.recv()
+            counts.decoded += 1
             pcm = frame.to_ndarray()
             channels = len(frame.layout.channels)
             pcm = pcm.reshape(-1, channels).mean(axis=1).astype(np.int16) if channels > 1 else pcm.reshape(-1)
@@ -358,8 +387,9 @@ async def _read_microphone(remote, runner: SessionRunner, gw: Gateway) -> None:
                 pcm = np.clip(pcm * 32768.0, -32768, 32767).astype(np.int16)
             if resampler is None or resampler.in_rate_hz != frame.sample_rate:
                 resampler = StreamResampler(frame.sample_rate, RATE_HZ)
-            pcm16 = resampler.process(pcm)
-            if pcm16.size and not runner.push_audio(pcm16):
+            pcm16 = resampler.process(pcm)  # may be empty at first (soxr's delay): still one frame consumed
+            if not runner.push_audio(pcm16):
+                counts.queue_full += 1
                 gw.metrics.frames_dropped.labels("webrtc", "inbound_queue_full").inc()
     except (MediaStreamError, asyncio.CancelledError):
         return

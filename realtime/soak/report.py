@@ -1,0 +1,173 @@
+"""The soak report: figures per transport and overall, frame accounting, the timeline, a plot."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from realtime.soak.callers import CallerRecord
+
+
+def _pct(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    a = np.asarray(values, float)
+    return {"n": int(a.size), "p50": round(float(np.percentile(a, 50)), 1), "p95": round(float(np.percentile(a, 95)), 1),
+            "p99": round(float(np.percentile(a, 99)), 1), "max": round(float(a.max()), 1)}
+
+
+def summarize(records: list[CallerRecord]) -> dict:
+    answers = [a for r in records for a in r.answers]
+    timed = [a for a in answers if a.playout.ttfa_ms is not None and a.playout.ttfa_ms >= 0]
+    lateness = [x for a in answers for x in a.playout.lateness_ms]
+    chunks = len(lateness)
+    on_time = sum(1 for x in lateness if x <= 0)
+    barged = [a for a in answers if a.barge_in_at is not None]
+    stop_ms = [1000.0 * (a.cleared_at - a.barge_in_at) for a in barged if a.cleared_at is not None and a.cleared_at >= a.barge_in_at]
+    return {
+        "sessions": len(records),
+        "admitted": sum(1 for r in records if r.refused is None),
+        "refused": dict(Counter(r.refused for r in records if r.refused)),
+        "crashed": sum(1 for r in records if r.crashed),
+        "closed_by_server": sum(1 for r in records if r.closed_by_server),
+        "utterances": sum(r.utterances for r in records),
+        "answers": len(answers),
+        "completed": sum(1 for a in answers if a.status == "completed"),
+        "cancelled": sum(1 for a in answers if a.status == "cancelled"),
+        "failed": sum(1 for a in answers if a.status == "failed"),
+        "barge_ins": len(barged),
+        "ttfa_ms": _pct([a.playout.ttfa_ms for a in timed]),
+        "mouth_to_ear_ms": _pct([a.playout.mouth_to_ear_ms for a in timed]),
+        "server_ttfa_ms": _pct([a.server_ttfa_ms for a in answers if a.server_ttfa_ms is not None]),
+        "barge_in_to_cleared_ms": _pct(stop_ms),
+        "chunks": chunks,
+        "chunks_on_time": on_time,
+        "chunks_on_time_share": round(on_time / chunks, 4) if chunks else None,
+        "lateness_ms": _pct(lateness),
+        "underruns": sum(a.playout.underruns for a in answers),
+        "errors": dict(Counter(code for r in records for code in r.errors)),
+        "frames_sent": sum(r.frames_sent for r in records),
+    }
+
+
+def accounting(records: list[CallerRecord], before: dict, after: dict) -> dict:
+    """Every frame a caller sent: consumed by a session, dropped by policy (counted), or rejected (an error)."""
+
+    def delta(prefix: str) -> float:
+        keys = {k for k in (*before, *after) if k == prefix or k.startswith(prefix + "{")}
+        return sum(after.get(k, 0.0) - before.get(k, 0.0) for k in keys)
+
+    sent = sum(r.frames_sent for r in records)
+    if not any(k.startswith("duplex_input_frames_total") for k in after):
+        return {"frames_sent": sent, "frames_unaccounted": None, "note": "the server does not export duplex_input_frames_total"}
+    consumed = delta("duplex_input_frames_total")
+    dropped = delta("duplex_input_frames_dropped_total")
+    rejected = delta("duplex_input_frames_rejected_total")
+    return {"frames_sent": sent, "frames_consumed": int(consumed), "frames_dropped_by_policy": int(dropped),
+            "frames_rejected_with_error": int(rejected), "frames_unaccounted": int(sent - consumed - dropped - rejected)}
+
+
+def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, timeline: list[dict], t0: float,
+                 final_health: dict, server_exit: int | None, server_log: Path | None) -> Path:
+    by_transport = {}
+    for t in sorted({r.transport for r in records}):
+        by_transport[t] = summarize([r for r in records if r.transport == t])
+    overall = summarize(records)
+    acct = accounting(records, before, after)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(cfg.out_dir)
+    report = {
+        "config": {"sessions": cfg.sessions, "duration_s": cfg.duration_s, "ramp_s": cfg.ramp_s, "mix": list(cfg.mix),
+                   "barge_in": cfg.barge_in, "seed": cfg.seed, "url": cfg.url or "started by the run", "max_sessions": cfg.max_sessions,
+                   "capacity": cfg.capacity},
+        "frames_unaccounted": acct["frames_unaccounted"],
+        "sessions_crashed": overall["crashed"],
+        "chunks_on_time_share": overall["chunks_on_time_share"],
+        "overall": overall,
+        "by_transport": by_transport,
+        "accounting": acct,
+        "server": {"metrics_delta": {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in sorted(set(after) | set(before))
+                                     if k.endswith("_total") or "_refused" in k},
+                   "healthy_after": bool(final_health.get("ready")), "exit_code": server_exit,
+                   "log": str(server_log) if server_log else None},
+        "timeline": timeline,
+        "late_chunks": [(round(t - t0, 3), round(late, 1)) for r in records for a in r.answers for t, late in a.playout.late_at],
+        "callers": [{k: v for k, v in asdict(r).items() if k != "answers"} | {"answers": len(r.answers)} for r in records],
+    }
+    path = out / f"soak-{stamp}.json"
+    path.write_text(json.dumps(report, indent=1, default=str))
+    try:
+        report["plot"] = str(plot(report, records, t0, out / f"soak-{stamp}.png"))
+        path.write_text(json.dumps(report, indent=1, default=str))
+    except ImportError:
+        report["plot"] = None  # matplotlib is optional
+    print(summary_lines(report), flush=True)
+    return path
+
+
+def summary_lines(report: dict) -> str:
+    o = report["overall"]
+    lines = [f"sessions {o['sessions']} (admitted {o['admitted']}, refused {o['refused'] or 0}, crashed {o['crashed']}); "
+             f"answers {o['answers']} (completed {o['completed']}, cancelled {o['cancelled']}, failed {o['failed']}), barge-ins {o['barge_ins']}"]
+    for name, s in [("all", o), *report["by_transport"].items()]:
+        def f(x):
+            return "-" if x is None else f"{x['p50']:.0f}/{x['p95']:.0f}/{x['p99']:.0f}"
+        share = "-" if s["chunks_on_time_share"] is None else f"{100 * s['chunks_on_time_share']:.1f}%"
+        lines.append(f"  {name:9s} ttfa p50/95/99 {f(s['ttfa_ms'])} ms  mouth-to-ear {f(s['mouth_to_ear_ms'])} ms  "
+                     f"chunks on time {share} of {s['chunks']}  underruns {s['underruns']}  errors {s['errors'] or 0}")
+    a = report["accounting"]
+    lines.append(f"frames sent {a['frames_sent']}, unaccounted {a['frames_unaccounted']}; server healthy after: {report['server']['healthy_after']}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, records: list[CallerRecord], t0: float, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    transports = sorted({r.transport for r in records})
+    data, labels = [], []
+    for t in transports:
+        answers = [a for r in records if r.transport == t for a in r.answers if a.playout.ttfa_ms is not None and a.playout.ttfa_ms >= 0]
+        data += [[a.playout.ttfa_ms for a in answers] or [0], [a.playout.mouth_to_ear_ms for a in answers] or [0]]
+        labels += [f"{t}\nTTFA", f"{t}\nmouth-to-ear"]
+    ax[0, 0].boxplot(data, tick_labels=labels, showfliers=True)
+    ax[0, 0].set_ylabel("ms")
+    ax[0, 0].set_title("latency per answer")
+    ax[0, 0].tick_params(axis="x", labelsize=7)
+    for t in transports:
+        pts = [(tt - t0, late) for r in records if r.transport == t for a in r.answers
+               for tt, late in zip(a.playout.arrivals, a.playout.lateness_ms)]
+        if pts:
+            xs, ys = zip(*pts)
+            ax[0, 1].scatter(xs, ys, s=2, label=t)
+    ax[0, 1].axhline(0, color="k", lw=0.8)
+    ax[0, 1].set_title("chunk lateness vs playback deadline (>0 late)")
+    ax[0, 1].set_xlabel("s")
+    ax[0, 1].set_ylabel("ms")
+    ax[0, 1].legend(fontsize=7)
+    tl = report["timeline"]
+    ax[1, 0].plot([r["t"] for r in tl], [r.get("sessions", 0) for r in tl])
+    ax[1, 0].set_title("sessions open on the server")
+    ax[1, 0].set_xlabel("s")
+    if tl and "rss_mib" in tl[0]:
+        ax[1, 1].plot([r["t"] for r in tl], [r.get("rss_mib", 0) for r in tl], label="gateway RSS")
+        ax[1, 1].plot([r["t"] for r in tl], [r.get("rss_tree_mib", 0) for r in tl], label="gateway + engine RSS")
+        ax2 = ax[1, 1].twinx()
+        ax2.plot([r["t"] for r in tl], [r.get("fds", 0) for r in tl], color="grey", ls="--", label="open fds")
+        ax2.set_ylabel("fds")
+        ax[1, 1].legend(fontsize=7)
+    ax[1, 1].set_title("server memory (MiB) and open fds")
+    ax[1, 1].set_xlabel("s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
