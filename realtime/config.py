@@ -39,6 +39,8 @@ class LimitsSection:
     ping_interval_s: float | None = 20.0
     ping_timeout_s: float | None = 20.0
     max_turn_ms: float = 60_000.0  # client-committed turns (turn_detection null)
+    resume_grace_s: float = 30.0  # a /v1/realtime session whose connection dropped is kept this long for a resume; 0: never
+    resume_buffer_bytes: int = 1 << 20  # sent messages kept per session for replay on resume (newest first)
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,8 @@ def validate(cfg: ServerConfig) -> None:
         ("limits.inbound_queue", cfg.limits.inbound_queue >= 1),
         ("limits.outbound_queue", cfg.limits.outbound_queue >= 8),
         ("limits.idle_timeout_s", cfg.limits.idle_timeout_s > 0),
+        ("limits.resume_grace_s", 0 <= cfg.limits.resume_grace_s <= 3600),
+        ("limits.resume_buffer_bytes", cfg.limits.resume_buffer_bytes >= 0),
         ("audio.lead_ms", 0 <= cfg.audio.lead_ms <= 2000),
         ("audio.output_frame_ms", cfg.audio.output_frame_ms in (10, 20, 40, 60, 80, 100)),
         ("audio.opus_complexity", 0 <= cfg.audio.opus_complexity <= 10),

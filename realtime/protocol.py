@@ -11,7 +11,8 @@ It never touches a socket and never raises on client input: every mistake become
 event naming it ({type, code, message, param, event_id}) and the session goes on. Wire shapes follow
 the GA Realtime API; beta spellings are accepted on input. Our additions are documented in
 docs/protocol.md: binary Opus frames, `output_audio_buffer.played`, `epoch` on response events,
-`duplex.latency`, and the `duplex` object in session config.
+`duplex.latency`, the `duplex` object in session config, and reconnect-and-resume (`resume_token` in
+`session.created`, `session.resumed`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ class OpusOutput:
 
     bitrate: int = 24_000
     complexity: int = 5
+
+
+@dataclass(frozen=True)
+class ResumeOffer:
+    """What `session.created` tells a client about resuming this session after a dropped connection."""
+
+    token: str
+    grace_s: float
 
 
 @dataclass
@@ -94,8 +103,9 @@ def _get(obj: dict, key: str, types: type | tuple, *, required: bool = False, pr
 
 class RealtimeProtocol:
     def __init__(self, session: Session, limits: ProtocolLimits | None = None, settings: SessionSettings | None = None,
-                 opus: OpusOutput | None = None) -> None:
+                 opus: OpusOutput | None = None, resume: ResumeOffer | None = None) -> None:
         self.opus = opus or OpusOutput()
+        self.resume = resume
         self.session = session
         self.limits = limits or ProtocolLimits()
         self.settings = settings or SessionSettings()
@@ -127,7 +137,14 @@ class RealtimeProtocol:
         self._error(ClientError(code, message, None, error_type), None)
 
     def open(self) -> None:
-        self._emit("session.created", session=self._session_object())
+        extra = {} if self.resume is None else {"resume_token": self.resume.token, "resume_grace_s": self.resume.grace_s}
+        self._emit("session.created", session=self._session_object(), **extra)
+
+    def resumed_message(self, last_seq: int, replayed: int, missed: int) -> str:
+        """`session.resumed`, the first message on a resumed connection. It is outside the numbered
+        stream (the runner sends it before the replay; clients do not count it)."""
+        return json.dumps({"type": "session.resumed", "event_id": f"event_{next(self._event_ids)}", "session": self._session_object(),
+                           "last_seq": last_seq, "replayed": replayed, "missed": missed}, separators=(",", ":"))
 
     def take_engine_options(self) -> ConversationOptions | None:
         if not self.settings_changed:

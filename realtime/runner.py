@@ -12,6 +12,13 @@ bounded queues, pacing wake-ups, idle timeout, slow-client disconnect, metrics.
 The session loop waits for input or the next pacing deadline, feeds the protocol, releases due audio,
 runs engine commands and hands wire messages to the writer. A full outbound queue means the client
 does not read: it is disconnected with a reason.
+
+Resume (a runner given a `resume_token`; docs/protocol.md "Reconnect and resume"): every message sent
+is numbered and kept in a bounded `ReplayBuffer`. When the link is lost without a goodbye
+(`link.lost()`), the session is detached, not ended: its loop goes on (the engine may finish the
+answer) but output pacing stops, so audio not delivered is not played and stays pending. `attach()`
+with a new link within `limits.resume_grace_s` replays what the client did not receive and resumes
+pacing where it stopped; past the grace the session ends like a close.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from engine.service_api import ConversationOptions, EngineError
+from realtime.resume import ReplayBuffer, ResumeRefused
 from realtime.session import CancelResponse, EndTurn, PushAudio, Session, SessionStats, StartResponse
 
 if TYPE_CHECKING:
@@ -41,7 +49,8 @@ CLOSE_TRY_AGAIN = 1013
 
 
 class Link(Protocol):
-    """A transport's message channel."""
+    """A transport's message channel. A link of a resumable session also has `lost() -> bool`: after
+    `messages()` ended, True when the connection died without a goodbye (the client may come back)."""
 
     def messages(self) -> AsyncIterator[str | bytes]:
         """The client's messages; ends when the client goes away."""
@@ -76,15 +85,23 @@ class WireProtocol(Protocol):
 class SessionRunner:
     """Runs one session until the client goes, the protocol ends it, or the server stops it."""
 
-    def __init__(self, gw: Gateway, link: Link, proto: WireProtocol, conv, transport: str) -> None:
+    def __init__(self, gw: Gateway, link: Link, proto: WireProtocol, conv, transport: str, resume_token: str | None = None) -> None:
         lim = gw.config.limits
-        self.gw, self.link, self.proto, self.conv = gw, link, proto, conv
+        self.gw, self.proto, self.conv = gw, proto, conv
+        self.link: Link | None = link  # None while detached
         self.session = proto.session
         self.id = self.session.id
         self.transport = transport
         self.inbound: asyncio.Queue = asyncio.Queue(lim.inbound_queue)
-        self.outbound: asyncio.Queue = asyncio.Queue(lim.outbound_queue)
+        self.outbound: asyncio.Queue = asyncio.Queue(lim.outbound_queue)  # the current link's; a new one per attach
         self.task: asyncio.Task | None = None
+        self.resume_token = resume_token  # set: a lost link detaches the session instead of ending it
+        self.resumes = 0
+        self._replay = ReplayBuffer(lim.resume_buffer_bytes) if resume_token else None
+        self._detached_at: float | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._writer_task: asyncio.Task | None = None
+        self._link_closers: set[asyncio.Task] = set()
         self.closing: tuple[int, str] | None = None
         self._stats = SessionStats()
         self._responses: dict[str, asyncio.Task] = {}
@@ -98,24 +115,50 @@ class SessionRunner:
         self.task = asyncio.current_task()
         self.proto.open()
         self._flush()
-        reader = asyncio.create_task(self._reader())
-        writer = asyncio.create_task(self._writer())
+        self._start_link([])
         try:
             await self._session_loop()
         finally:
-            reader.cancel()
+            if self._reader_task is not None:
+                self._reader_task.cancel()
             for t in self._responses.values():
                 t.cancel()
             await self.outbound.put(None) if not self.outbound.full() else None
-            try:
-                await asyncio.wait_for(writer, timeout=self.gw.config.limits.close_timeout_s)
-            except (asyncio.TimeoutError, Exception):
-                writer.cancel()
+            if self._writer_task is not None:
+                try:
+                    await asyncio.wait_for(self._writer_task, timeout=self.gw.config.limits.close_timeout_s)
+                except (asyncio.TimeoutError, Exception):
+                    self._writer_task.cancel()
             code, reason = self.closing or (CLOSE_NORMAL, "")
-            try:
-                await self.link.close(code, reason)
-            except Exception as e:  # the peer may already be gone; nothing is lost by not closing twice
-                log.debug("session %s: close failed: %s", self.id, e)
+            if self.link is not None:
+                await self._close_link(self.link, code, reason)
+            if self._link_closers:
+                await asyncio.wait(self._link_closers, timeout=self.gw.config.limits.close_timeout_s)
+
+    async def attach(self, link: Link, last_seq: int) -> None:
+        """Resume this session on a new link (the client received messages 1..last_seq).
+
+        Replaces the current link if there is one (the client noticed the drop first). Raises
+        ResumeRefused when the session cannot be resumed (ended, or last_seq out of range).
+        """
+        if self._replay is None:
+            raise ResumeRefused("resume_failed", "this session cannot be resumed")
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(self.inbound.put(("attach", link, last_seq, done)), self.gw.config.limits.open_timeout_s)
+        except asyncio.TimeoutError:
+            raise ResumeRefused("resume_failed", "the session is too busy to resume") from None
+        if self.task is not None:
+            await asyncio.wait([done, self.task], return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            raise ResumeRefused("resume_failed", "the session has ended")
+        if done.exception() is not None:
+            raise done.exception()
+
+    @property
+    def messages_sent(self) -> int | None:
+        """Messages numbered so far (the resume sequence); None when the session cannot be resumed."""
+        return None if self._replay is None else self._replay.last_seq
 
     def shutdown(self, code: str, message: str) -> None:
         """Ask the session task to send a final error event and close (server stop, idle timeout)."""
@@ -141,24 +184,87 @@ class SessionRunner:
         except asyncio.QueueFull:
             pass  # the loop is busy anyway
 
-    async def _reader(self) -> None:
+    async def _reader(self, link: Link) -> None:
         try:
-            async for message in self.link.messages():
+            async for message in link.messages():
                 await self.inbound.put(("message", message))
         except Exception as e:  # a dropped connection ends the session like a close
             log.debug("session %s: reader ended: %s", self.id, e)
-        await self.inbound.put(("closed",))
+        await self.inbound.put(("closed", link))
 
-    async def _writer(self) -> None:
-        while (msg := await self.outbound.get()) is not None:
-            await self.link.send(msg)
+    async def _writer(self, link: Link, outbound: asyncio.Queue, first: list[str | bytes]) -> None:
+        try:
+            for msg in first:
+                await link.send(msg)
+            while (msg := await outbound.get()) is not None:
+                await link.send(msg)
+        except Exception as e:  # the link died; its reader reports it
+            log.debug("session %s: writer ended: %s", self.id, e)
+
+    def _start_link(self, first: list[str | bytes]) -> None:
+        """Reader and writer for `self.link`; the writer sends `first` (a resume's replay) before the queue."""
+        self._reader_task = asyncio.create_task(self._reader(self.link))
+        self._writer_task = asyncio.create_task(self._writer(self.link, self.outbound, first))
+
+    def _drop_link(self, code: int, reason: str) -> None:
+        """Stop using the current link (lost, or replaced by a resume) and close it in the background."""
+        for t in (self._reader_task, self._writer_task):
+            if t is not None:
+                t.cancel()
+        self._reader_task = self._writer_task = None
+        closer = asyncio.create_task(self._close_link(self.link, code, reason))
+        self._link_closers.add(closer)
+        closer.add_done_callback(self._link_closers.discard)
+        self.link = None
+
+    async def _close_link(self, link: Link, code: int, reason: str) -> None:
+        try:
+            await link.close(code, reason)
+        except Exception as e:  # the peer may already be gone; nothing is lost by not closing twice
+            log.debug("session %s: close failed: %s", self.id, e)
+
+    def _on_link_closed(self, link: Link, now: float) -> bool:
+        """The current link ended: True to keep the session (detached, resumable), False to end it."""
+        lost = self.resume_token is not None and link.lost()
+        if not lost or self.gw.closing or self.gw.config.limits.resume_grace_s <= 0:
+            return False
+        self._drop_link(CLOSE_GOING_AWAY, "connection lost")
+        self._detached_at = now
+        log.info("session %s: connection lost, kept %.0f s for a resume", self.id, self.gw.config.limits.resume_grace_s)
+        return True
+
+    def _attach(self, link: Link, last_seq: int, done: asyncio.Future, now: float) -> None:
+        try:
+            if self.closing is not None:
+                raise ResumeRefused("resume_failed", "the session is closing")
+            replay = self._replay.since(last_seq)
+        except ResumeRefused as e:
+            done.set_exception(e)
+            return
+        if replay.missed and self.session.response is not None and not self.session.response.status.finished:
+            # Some of the answer never reached the client and cannot be resent: end it cleanly
+            # (output_audio_buffer.cleared + response.done cancelled, history cut to the last ack).
+            self.session.receive_output_clear(now)
+            self.proto.send_session_events(self.session.events())
+            self._run_commands()
+            self._flush()
+            replay = self._replay.since(last_seq)
+        if self.link is not None:
+            self._drop_link(CLOSE_NORMAL, "resumed on another connection")
+        self.link, self._detached_at, self._last_client = link, None, now
+        self.outbound = asyncio.Queue(self.gw.config.limits.outbound_queue)
+        self.resumes += 1
+        resumed = self.proto.resumed_message(last_seq, len(replay.messages), replay.missed)
+        self._start_link([resumed, *replay.messages])
+        log.info("session %s: resumed (after message %d: %d replayed, %d missed)", self.id, last_seq, len(replay.messages), replay.missed)
+        done.set_result(None)
 
     async def _session_loop(self) -> None:
         lim = self.gw.config.limits
         next_due: float | None = None
         while self.closing is None:
             now = time.monotonic()
-            idle_at = self._last_client + lim.idle_timeout_s
+            idle_at = self._last_client + lim.idle_timeout_s if self._detached_at is None else self._detached_at + lim.resume_grace_s
             wake = min(next_due if next_due is not None else idle_at, idle_at)
             try:
                 item = await asyncio.wait_for(self.inbound.get(), max(0.0, wake - now)) if wake > now else self.inbound.get_nowait()
@@ -166,12 +272,17 @@ class SessionRunner:
                 item = None
             now = time.monotonic()
             if item is not None:
-                if item[0] == "closed":
+                if item[0] == "closed" and item[1] is self.link and not self._on_link_closed(item[1], now):
                     return
                 self._handle(item, now)
+            elif self._detached_at is not None and now >= idle_at:
+                log.info("session %s: not resumed within %.0f s", self.id, lim.resume_grace_s)
+                self.closing = (CLOSE_GOING_AWAY, "not resumed in time")
+                return
             elif now >= idle_at and (self.session.response is None or self.session.response.status.finished):
                 self._close_with_error("idle_timeout", f"no client event for {lim.idle_timeout_s:.0f} s", CLOSE_NORMAL)
-            next_due = self.session.poll_audio(now)
+            # While detached nothing is paced out: undelivered audio is not played; pacing resumes on attach.
+            next_due = self.session.poll_audio(now) if self.link is not None else None
             self.proto.send_session_events(self.session.events())
             self._run_commands()
             self._flush()
@@ -198,6 +309,8 @@ class SessionRunner:
             self.proto.error(getattr(exc, "code", "engine_error"), f"the engine failed this response: {exc}")
         elif kind == "shutdown":
             self._close_with_error(item[1], item[2], CLOSE_GOING_AWAY)
+        elif kind == "attach":
+            self._attach(item[1], item[2], item[3], now)
 
     def _run_commands(self) -> None:
         for cmd in self.session.commands():
@@ -233,6 +346,10 @@ class SessionRunner:
 
     def _flush(self) -> None:
         for msg in self.proto.data_to_send():
+            if self._replay is not None:
+                self._replay.append(msg)
+            if self.link is None:
+                continue  # detached: kept in the replay buffer for the resume
             try:
                 self.outbound.put_nowait(msg)
             except asyncio.QueueFull:

@@ -1,20 +1,29 @@
 """`WS /v1/realtime`: OpenAI-Realtime-style JSON events (and our binary Opus frames) over a WebSocket.
 
 The protocol is `realtime.protocol.RealtimeProtocol`; the WebSocket is the runner's link.
+
+Reconnect and resume (docs/protocol.md): `session.created` carries a resume token when
+`limits.resume_grace_s` > 0. A connection that dies without a close frame leaves its session detached;
+`GET /v1/realtime?resume=TOKEN&last_seq=N` (authenticated like any connection) re-attaches it: the
+handler finds the session by its token, hands the runner the new link, and lives as long as that link.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
+from websockets.frames import CloseCode
 
 from engine.service_api import AtCapacity
-from realtime.protocol import OpusOutput, ProtocolLimits, RealtimeProtocol
-from realtime.runner import CLOSE_TRY_AGAIN, SessionRunner
+from realtime.protocol import OpusOutput, ProtocolLimits, RealtimeProtocol, ResumeOffer
+from realtime.resume import ResumeRefused, new_resume_token
+from realtime.runner import CLOSE_NORMAL, CLOSE_TRY_AGAIN, SessionRunner
 from realtime.session import new_id
 
 if TYPE_CHECKING:
@@ -40,6 +49,12 @@ class WebSocketLink:
     async def close(self, code: int, reason: str) -> None:
         await self.ws.close(code, reason)
 
+    def lost(self) -> bool:
+        """The client never said goodbye (no close frame): the TCP connection died or stopped answering
+        pings. A close by the client, or by us for a reason (1009 too big...), is not a loss."""
+        p = self.ws.protocol
+        return p.close_rcvd is None and (p.close_sent is None or p.close_sent.code == CloseCode.INTERNAL_ERROR)
+
 
 def register(gw: Gateway) -> None:
     from realtime.server import WsRoute
@@ -53,21 +68,47 @@ def error_event(code: str, message: str) -> str:
                                                                         "message": message, "param": None, "event_id": None}})
 
 
-def realtime_protocol(gw: Gateway, session) -> RealtimeProtocol:
+def realtime_protocol(gw: Gateway, session, resume_token: str | None = None) -> RealtimeProtocol:
     from realtime.server import session_settings
 
     cfg = gw.config
+    resume = ResumeOffer(resume_token, cfg.limits.resume_grace_s) if resume_token else None
     return RealtimeProtocol(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes), session_settings(cfg),
-                            OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity))
+                            OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity), resume)
 
 
 async def handle(gw: Gateway, ws: ServerConnection) -> None:
+    query = parse_qs(urlsplit(ws.request.path).query)
+    if "resume" in query:
+        return await resume(gw, ws, query)
     session_id = new_id("sess")
-    proto = realtime_protocol(gw, gw.new_session(session_id))
+    token = new_resume_token() if gw.config.limits.resume_grace_s > 0 else None
+    proto = realtime_protocol(gw, gw.new_session(session_id), token)
     try:
         conv = gw.open_conversation(session_id, proto.settings.engine_options())
     except AtCapacity as e:
         await ws.send(error_event(AtCapacity.code, str(e)))
         await ws.close(CLOSE_TRY_AGAIN, "server at capacity")
         return
-    await gw.run_session(SessionRunner(gw, WebSocketLink(ws), proto, conv, "websocket"))
+    await gw.run_session(SessionRunner(gw, WebSocketLink(ws), proto, conv, "websocket", resume_token=token))
+
+
+async def resume(gw: Gateway, ws: ServerConnection, query: dict[str, list[str]]) -> None:
+    """`?resume=TOKEN&last_seq=N`: re-attach a detached (or still attached) session to this connection."""
+    token = query["resume"][0]
+    runner = next((r for r in list(gw.sessions.values())
+                   if r.resume_token is not None and hmac.compare_digest(r.resume_token, token)), None)
+    try:
+        try:
+            last_seq = int(query.get("last_seq", ["0"])[0])
+        except ValueError:
+            raise ResumeRefused("invalid_last_seq", "last_seq must be an integer") from None
+        if runner is None:
+            raise ResumeRefused("resume_failed", f"no session to resume with this token (sessions are kept "
+                                                 f"{gw.config.limits.resume_grace_s:.0f} s after a dropped connection)")
+        await runner.attach(WebSocketLink(ws), last_seq)
+    except ResumeRefused as e:
+        await ws.send(error_event(e.code, e.message))
+        await ws.close(CLOSE_NORMAL, e.message[:120])
+        return
+    await ws.wait_closed()  # the runner owns the connection now; it closes it when the session ends
