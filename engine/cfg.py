@@ -11,9 +11,11 @@ has none -- shared/research/opuslm.md §5):
 - Unconditional prompt: the main prompt with every position PAD (0) in all 9 streams, same length
   (`[0] * len(prompt)` in the fork). Equal lengths keep the two rows at equal positions, so their
   delay-pattern steps, stop rules and KV needs are the same at every step.
-- Merge: logits = cond * w + uncond * (1 - w)  (= uncond + w * (cond - uncond)), on the raw
-  projections before the stream masks; w = 1 is plain sampling, w = 0 samples the unconditional
-  model.
+- Merge: logits = cond * w + uncond * (1 - w)  (= uncond + w * (cond - uncond)), for all 9
+  streams, before the stream masks; w = 1 is plain sampling, w = 0 samples the unconditional
+  model. Every stream's logits are lm_head(h) + a per-stream constant (heads.py), linear in the
+  final hidden state h, so both the engine and the reference merge h (H wide) and project the
+  merged state once -- the same logits as merging the V-wide projections, up to rounding.
 
 Pure numpy / torch; shared by the vLLM plugin and the reference, so both merge bit for bit alike.
 """

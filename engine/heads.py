@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine import cfg, vocab
+from engine import vocab
 from engine.delay import Stream0Rule
 
 _FORCED_TOKEN = {
@@ -47,17 +47,6 @@ def aux_logits(projected: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """[rows, 8, 1024] logits of streams 1-8 over their own codebook blocks."""
     dac = projected[:, vocab.DAC_OFFSET : AUDIO_END] + bias[vocab.DAC_OFFSET :]
     return dac.view(-1, vocab.NUM_CODEBOOKS, vocab.CODEBOOK_SIZE)
-
-
-def merge_cfg_(projected: torch.Tensor, cond_rows: torch.Tensor, uncond_rows: torch.Tensor, scale: torch.Tensor) -> None:
-    """CFG: rows `cond_rows` of `projected` become cfg.merge(cond, uncond, w), in place.
-
-    Only the audio ids [0, AUDIO_END) are merged: every stream's logits come from there (stream 0's
-    text ids are masked out in an audio segment), so the rest is never read.
-    """
-    audio = projected[:, :AUDIO_END]
-    merged = cfg.merge(audio.index_select(0, cond_rows), audio.index_select(0, uncond_rows), scale)
-    audio.index_copy_(0, cond_rows, merged)
 
 
 # Stream 0 emits only ids below this in an audio segment (specials, SSL); its logits stop here, so

@@ -158,10 +158,10 @@ class ReferenceOpusLM:
             rule = delay.stream0_rules(
                 np.array([s]), np.array([eos_step]), request.min_frames, request.max_frames
             )
-            projected = heads.project(torch.cat(hs), lm_head)
-            if guided:
-                heads.merge_cfg_(projected, torch.tensor([0]), torch.tensor([1]), scale)
-            projected = projected[:1]
+            # the heads are linear in h, so merging every stream's logits = projecting the merged
+            # hidden state (the vLLM model does the same; engine/cfg.py)
+            h = cfg.merge(hs[0], hs[1], scale) if guided else hs[0]
+            projected = heads.project(h, lm_head)
             codes = sample_rows(heads.aux_logits(projected, self._head_bias), [samp], [gen_aux])
             logits0 = heads.stream0_logits_(projected, self._head_bias, rule)
             active = delay.aux_active(np.array([s]), np.array([eos_step]))

@@ -23,7 +23,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 
-from engine import heads
+from engine import cfg, heads
 from engine.checkpoint import NUM_HEAD_EMB
 from engine.request import WorkerRequestSpec
 from engine.sampling import SamplingConfig, sample_rows
@@ -100,40 +100,70 @@ class OpusLMForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch, self._batch = self._batch, None
-        # vLLM's own lm_head kernel (oneDNN on CPU, cuBLAS on CUDA): all 9 streams come out of
-        # this one projection plus a per-stream bias (engine/heads.py)
-        projected = self.lm_head.quant_method.apply(self.lm_head, hidden_states)
         if batch is None or hidden_states.shape[0] != batch.num_rows:
             # profiling / dummy runs: plain logits, nothing recorded
-            return projected[:, : self.vocab_size].float()
+            return self._project(hidden_states)[:, : self.vocab_size].float()
         if self._head_bias is None:
             self._head_bias = heads.stream_bias(self.lm_head.weight, self.head_emb.weight)
-        projected = projected.float()
         plan = self.streams.plan(batch)
         pairs = self.step_pairs = self.streams.cfg_pairs(batch, plan)
-        dev = hidden_states.device
+        rows_of, rules = None, plan.rules  # rows_of: batch row -> row of `projected`
         if len(pairs):
-            # CFG: each main row's logits become the merge of its own and its shadow's, for all
-            # 9 streams (one projection holds them all); the shadow then copies what the main
-            # samples: streams 1-8 here, stream 0 in the runner after vLLM's sampler
-            scale = torch.from_numpy(pairs.scales).to(dev)
-            main_t = torch.from_numpy(pairs.main_rows).to(dev)
-            heads.merge_cfg_(projected, main_t, torch.from_numpy(pairs.shadow_rows).to(dev), scale)
-        rows = np.nonzero(plan.commit)[0]
-        if len(rows):
-            ids = self._sample_aux(batch, plan, projected, rows, pairs)
-            self.streams.commit(batch, plan, ids)
+            hidden_states, kept, rows_of = self._merge_pairs(hidden_states, pairs)
+            rules = plan.rules[kept]
+        projected = self._project(hidden_states).float()
+        commit = np.nonzero(plan.commit)[0]
+        if len(commit):
+            self.streams.commit(batch, plan, self._sample_aux(batch, plan, projected, commit, pairs, rows_of))
         else:
             self.streams.step_aux = {}
-        # contiguous: vLLM's CPU sampling kernels read rows densely
-        return heads.stream0_logits_(projected, self._head_bias, plan.rules).contiguous()
+        logits0 = heads.stream0_logits_(projected, self._head_bias, rules)
+        if rows_of is None:
+            return logits0.contiguous()  # vLLM's CPU sampling kernels read rows densely
+        # one row per batch row again: a shadow's is its main's (the runner overwrites its sample)
+        return logits0.index_select(0, torch.from_numpy(rows_of).to(logits0.device))
 
-    def _sample_aux(self, batch: StepBatch, plan, projected: torch.Tensor, rows: np.ndarray, pairs: CfgPairs) -> np.ndarray:
-        """Aux ids [len(rows), 8] of the committing rows; a CFG shadow gets its main's."""
+    def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # vLLM's own lm_head kernel (oneDNN on CPU, cuBLAS on CUDA): all 9 streams come out of
+        # this one projection plus a per-stream bias (engine/heads.py)
+        return self.lm_head.quant_method.apply(self.lm_head, hidden_states)
+
+    @staticmethod
+    def _merge_pairs(hidden: torch.Tensor, pairs: CfgPairs) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """CFG merge, for all 9 streams at once, in hidden space.
+
+        Every stream's logits are lm_head(h) + a constant bias (heads.py), linear in h, so
+        cfg.merge of the logits equals lm_head(cfg.merge(h_cond, h_uncond)) + bias: the merge
+        costs H per pair instead of V, and the shadow rows, which sample nothing themselves
+        (they copy their main's tokens: streams 1-8 in `_sample_aux`, stream 0 in the runner),
+        are not projected at all. Returns (hidden of the projected rows, their batch rows,
+        batch row -> projected row, a shadow mapped to its main's).
+        """
+        dev = hidden.device
+        main_t = torch.from_numpy(pairs.main_rows).to(dev)
+        merged = cfg.merge(
+            hidden.index_select(0, main_t).float(),
+            hidden.index_select(0, torch.from_numpy(pairs.shadow_rows).to(dev)).float(),
+            torch.from_numpy(pairs.scales).to(dev),
+        ).to(hidden.dtype)
+        keep = np.ones(hidden.shape[0], dtype=bool)
+        keep[pairs.shadow_rows] = False
+        kept = np.nonzero(keep)[0]
+        compact = np.cumsum(keep) - 1
+        rows_of = compact.copy()
+        rows_of[pairs.shadow_rows] = compact[pairs.main_rows]
+        out = hidden.index_select(0, torch.from_numpy(kept).to(dev))
+        out.index_copy_(0, torch.from_numpy(compact[pairs.main_rows]).to(dev), merged)
+        return out, kept, rows_of
+
+    def _sample_aux(self, batch: StepBatch, plan, projected: torch.Tensor, rows: np.ndarray, pairs: CfgPairs,
+                    rows_of: np.ndarray | None) -> np.ndarray:
+        """Aux ids [len(rows), 8] of the committing batch rows; a CFG shadow gets its main's."""
         sampled = rows
         if len(pairs):
             sampled = rows[~np.isin(rows, pairs.shadow_rows)]
-        idx = torch.from_numpy(sampled).to(projected.device)
+        src = sampled if rows_of is None else rows_of[sampled]
+        idx = torch.from_numpy(src).to(projected.device)
         configs, gens = self.streams.sampling_rows(batch, sampled)
         codes = sample_rows(heads.aux_logits(projected[idx], self._head_bias), configs, gens)
         ids = heads.aux_ids(codes.cpu().numpy(), plan.active[sampled])
