@@ -97,6 +97,7 @@ class Caller(ABC):
         self._last_ack = 0.0
         self._rendered: dict[int, list[np.ndarray]] = {}
         self._stop = False
+        self._hang_up = False
 
     # ---- the script, called once per 20 ms frame -------------------------------------------------
     def next_frame(self, now: float) -> np.ndarray:
@@ -206,9 +207,13 @@ class Caller(ABC):
             self.record.ended = time.monotonic()
         return self.record
 
+    def hang_up(self) -> None:
+        """End the call now (after the answer in progress), whatever `until` said."""
+        self._hang_up = True
+
     async def drain_and_stop(self, until: float) -> None:
         """Stop starting turns at `until`; let the last answer finish (bounded), then return."""
-        while time.monotonic() < until:
+        while time.monotonic() < until and not self._hang_up:
             await asyncio.sleep(0.1)
         self._stop = True
         grace = time.monotonic() + 8.0

@@ -100,12 +100,11 @@ def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, ti
         "callers": [{k: v for k, v in asdict(r).items() if k != "answers"} | {"answers": len(r.answers)} for r in records],
     }
     path = out / f"soak-{stamp}.json"
-    path.write_text(json.dumps(report, indent=1, default=str))
     try:
         report["plot"] = str(plot(report, records, t0, out / f"soak-{stamp}.png"))
-        path.write_text(json.dumps(report, indent=1, default=str))
     except ImportError:
-        report["plot"] = None  # matplotlib is optional
+        report["plot"] = None  # matplotlib is optional (pip install matplotlib)
+    path.write_text(json.dumps(report, indent=1, default=str))
     print(summary_lines(report), flush=True)
     return path
 

@@ -234,12 +234,6 @@ async def run_soak(cfg: SoakConfig) -> Path:
                         server.log_path if server else None)
 
 
-def parse_args(argv: list[str] | None = None) -> SoakConfig:
-    p = argparse.ArgumentParser(prog="soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return config_from_args(p.parse_args(argv))
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=8, help="simulated callers (default 8)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of conversation after the ramp (default 60)")
@@ -252,6 +246,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, help="server cap for the server this run starts (overload runs)")
     p.add_argument("--capacity", type=int, help="engine.capacity_override for the server this run starts "
                    "(default: the capacity the engine measures at warm-up)")
+    p.add_argument("--faults", action="store_true", help="run the fault runs (realtime/soak/faults.py) instead of a soak")
     p.add_argument("--out", default="artifacts/soak", help="report directory (default artifacts/soak)")
 
 
@@ -268,7 +263,18 @@ def config_from_args(a: argparse.Namespace) -> SoakConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    path = asyncio.run(run_soak(cfg))
+    p = argparse.ArgumentParser(prog="soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    return run_from_args(args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    if args.faults:
+        from realtime.soak.faults import run_faults
+
+        path = asyncio.run(run_faults(Path(args.out), args.seed))
+    else:
+        path = asyncio.run(run_soak(config_from_args(args)))
     print(path)
     return 0

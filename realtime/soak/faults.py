@@ -1,0 +1,206 @@
+"""Fault runs: misbehaving clients and an engine stall, while a witness caller holds a conversation.
+
+    python scripts/soak.py --faults        # starts its own server; prints the JSON result's path
+
+Each fault is a coroutine against the server; after each one the run checks that the server is
+healthy, that no session of the fault is left behind, and (at the end) that the witness — an honest
+caller on its own connection the whole time — lost nothing and saw no error. The server's RSS is
+sampled before and after each fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+
+from realtime.soak.callers import Script, WebSocketCaller
+from realtime.soak.run import ServerProcess, _tree, health, process_sample, read_metrics, speech_sentences
+
+FAULT_SERVER_CONFIG = {
+    "vad": {"silence_duration_ms": 500},
+    "session": {"max_response_ms": 4000.0},
+    "limits": {"open_timeout_s": 3.0, "max_message_bytes": 262144, "outbound_queue": 64},
+    "engine": {"capacity_override": 8},
+}
+
+
+async def _ws(base: str, token: str):
+    import websockets
+
+    ws = await websockets.connect(base.replace("http", "ws", 1) + "/v1/realtime", additional_headers={"Authorization": f"Bearer {token}"},
+                                  max_size=1 << 22)
+    created = json.loads(await ws.recv())
+    assert created["type"] == "session.created", created
+    return ws
+
+
+async def _speak(ws, pcm16k: np.ndarray) -> None:
+    """Speech then silence, as 20 ms pcm16 appends at real-time pace (24 kHz on the wire)."""
+    import base64
+
+    import soxr
+
+    pcm = soxr.resample(np.concatenate([pcm16k, np.zeros(16000, np.int16)]), 16000, 24000).astype("<i2")
+    t0 = time.monotonic()
+    for i, k in enumerate(range(0, pcm.size, 480)):
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[k:k + 480].tobytes()).decode()}))
+        wait = t0 + (i + 1) * 0.02 - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+
+async def _until_event(ws, kind: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        ev = json.loads(await asyncio.wait_for(ws.recv(), max(0.01, deadline - time.monotonic())))
+        if ev.get("type") == kind:
+            return ev
+
+
+async def vanish_mid_answer(base: str, token: str, speech: np.ndarray) -> dict:
+    """A client that disappears without a close frame while its answer is being sent."""
+    ws = await _ws(base, token)
+    speaker = asyncio.create_task(_speak(ws, speech))
+    await _until_event(ws, "response.output_audio.delta", 60)
+    speaker.cancel()
+    ws.transport.abort()  # TCP reset, no WebSocket close
+    return {"vanished_mid_answer": True}
+
+
+async def slow_reader(base: str, token: str, speech: np.ndarray) -> dict:
+    """A client that stops reading while its answer streams (its socket buffers fill)."""
+    ws = await _ws(base, token)
+    await _speak(ws, speech)
+    await asyncio.sleep(8.0)  # no recv(): the client library's queue fills, then it stops reading the socket
+    got_done = False
+    try:
+        await _until_event(ws, "response.done", 20)
+        got_done = True
+    except Exception as e:  # disconnected as a slow client is a valid outcome too
+        got_done = f"closed: {e}"
+    await ws.close()
+    return {"answer_after_resuming": got_done}
+
+
+async def slowloris(base: str, token: str, speech: np.ndarray, connections: int = 20) -> dict:
+    """Handshakes that never finish: one byte every 0.5 s. The server must drop them after open_timeout."""
+    host, port = base.rsplit("//", 1)[1].split(":")
+    t0 = time.monotonic()
+
+    async def one() -> float:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        request = b"GET /v1/realtime HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        try:
+            for b in request:
+                writer.write(bytes([b]))
+                await writer.drain()
+                if reader.at_eof():
+                    break
+                try:
+                    if await asyncio.wait_for(reader.read(1), 0.5) == b"":
+                        break
+                except asyncio.TimeoutError:
+                    pass
+        except (ConnectionError, OSError):
+            pass
+        writer.close()
+        return time.monotonic() - t0
+
+    closed_after = await asyncio.gather(*(one() for _ in range(connections)))
+    return {"connections": connections, "closed_by_server_after_s": round(max(closed_after), 2)}
+
+
+async def oversize_and_garbage(base: str, token: str, speech: np.ndarray) -> dict:
+    """Garbage binary frames and bad JSON get error events and the session goes on; an oversize message closes it (1009)."""
+    import websockets
+
+    ws = await _ws(base, token)
+    errors = []
+    for junk in (b"\x00\xff" * 50, os.urandom(300), b"\x01" + os.urandom(200), "{not json", json.dumps({"type": "no.such.event"})):
+        await ws.send(junk)
+        errors.append((await _until_event(ws, "error", 10))["error"]["code"])
+    await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+    await _until_event(ws, "input_audio_buffer.cleared", 10)  # still serving
+    await ws.send("x" * (FAULT_SERVER_CONFIG["limits"]["max_message_bytes"] + 1))
+    code = None
+    try:
+        while True:
+            await asyncio.wait_for(ws.recv(), 30)
+    except websockets.ConnectionClosed as e:
+        code = e.rcvd.code if e.rcvd else None
+    except asyncio.TimeoutError:
+        code = "no close within 30 s"
+    return {"error_codes": errors, "oversize_close_code": code}
+
+
+async def engine_stall(base: str, token: str, speech: np.ndarray, pid: int | None, stall_ms: float = 400.0) -> dict:
+    """The engine process frozen (SIGSTOP) for `stall_ms` in the middle of an answer."""
+    if pid is None:
+        return {"skipped": "needs a server started by this run"}
+    engine = [p for p in _tree(pid) if p != pid and b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    if not engine:
+        return {"skipped": "no separate engine process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"}
+    ws = await _ws(base, token)
+    speaker = asyncio.create_task(_speak(ws, speech))
+    await _until_event(ws, "response.output_audio.delta", 60)
+    os.kill(engine[0], signal.SIGSTOP)
+    await asyncio.sleep(stall_ms / 1000.0)
+    os.kill(engine[0], signal.SIGCONT)
+    done = await _until_event(ws, "response.done", 60)
+    speaker.cancel()
+    await ws.close()
+    return {"stall_ms": stall_ms, "answer_status": done["response"]["status"]}
+
+
+async def run_faults(out_dir: Path, seed: int = 0) -> Path:
+    import secrets
+
+    token = secrets.token_urlsafe(12)
+    server = await asyncio.to_thread(ServerProcess, FAULT_SERVER_CONFIG, token)
+    base = server.base
+    sentences = speech_sentences(seed)
+    speech = sentences[2].pcm16k  # the longest: answers run while the faults hit
+    before = await asyncio.to_thread(read_metrics, base, token)
+    witness = WebSocketCaller(0, base, token, Script(sentences, barge_in=0.0), seed=seed)
+    witness_task = asyncio.create_task(witness.run(time.monotonic() + 3600))
+    await asyncio.sleep(3)
+    results = {}
+    for name, fault in (("vanish_mid_answer", vanish_mid_answer), ("slow_reader", slow_reader), ("slowloris", slowloris),
+                        ("oversize_and_garbage", oversize_and_garbage),
+                        ("engine_stall", lambda b, t, s: engine_stall(b, t, s, server.pid))):
+        rss0 = process_sample(server.pid).get("rss_mib")
+        t0 = time.monotonic()
+        try:
+            outcome = await asyncio.wait_for(fault(base, token, speech), 120)
+        except Exception as e:
+            outcome = {"fault_client_error": f"{type(e).__name__}: {e}"}
+        await asyncio.sleep(2.0)
+        h = await asyncio.to_thread(health, base)
+        results[name] = {**outcome, "seconds": round(time.monotonic() - t0, 1), "healthy_after": bool(h.get("ready")),
+                         "sessions_after": h.get("sessions"), "rss_before_mib": rss0,
+                         "rss_after_mib": process_sample(server.pid).get("rss_mib")}
+        print(f"fault {name}: {results[name]}", flush=True)
+    witness.hang_up()
+    await asyncio.wait_for(witness_task, 60)
+    after = await asyncio.to_thread(read_metrics, base, token)
+    exit_code = server.stop()
+    w = witness.record
+    report = {
+        "faults": results,
+        "witness": {"utterances": w.utterances, "answers": len(w.answers), "completed": sum(a.status == "completed" for a in w.answers),
+                    "errors": w.errors, "crashed": w.crashed, "closed_by_server": w.closed_by_server,
+                    "underruns": sum(a.playout.underruns for a in w.answers)},
+        "metrics_delta": {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in sorted(set(after) | set(before))
+                          if k.endswith("_total")},
+        "server_exit_code": exit_code, "server_log": str(server.log_path),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"faults-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=1, default=str))
+    return path

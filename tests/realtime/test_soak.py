@@ -1,0 +1,56 @@
+"""The short soak and the fault runs, each against its own `duplex serve` (tiny model, CPU).
+
+The long versions are script runs documented in docs/soak.md; these assert what must hold on any
+machine: nothing lost, every frame accounted, no crash, no error for honest callers, the server
+healthy afterwards and exiting 0. Latency figures are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(autouse=True)
+def _needs_espeak(speech):
+    return speech
+
+
+def test_short_soak_every_frame_accounted(tmp_path, tiny_model):
+    from realtime.soak.run import SoakConfig, run_soak
+
+    cfg = SoakConfig(sessions=4, duration_s=20.0, ramp_s=2.0, mix=("ws-pcm16", "ws-opus", "webrtc", "twilio"), barge_in=0.3,
+                     seed=1, out_dir=tmp_path, capacity=4)
+    report = json.loads(asyncio.run(run_soak(cfg)).read_text())
+    o = report["overall"]
+    assert report["sessions_crashed"] == 0, report["callers"]
+    assert report["frames_unaccounted"] == 0, report["accounting"]
+    assert report["accounting"]["frames_consumed"] > 0.9 * report["accounting"]["frames_sent"]
+    assert o["refused"] == {} and o["errors"] == {} and o["closed_by_server"] == 0, report["callers"]
+    assert o["answers"] >= 1 and o["failed"] == 0
+    assert set(report["by_transport"]) == {"ws-pcm16", "ws-opus", "webrtc", "twilio"}
+    assert report["server"]["healthy_after"] and report["server"]["exit_code"] == 0
+    assert (tmp_path / report["plot"].rsplit("/", 1)[1]).exists()
+
+
+def test_fault_runs_leave_the_server_and_the_witness_unharmed(tmp_path, tiny_model):
+    from realtime.soak.faults import FAULT_SERVER_CONFIG, run_faults
+
+    report = json.loads(asyncio.run(run_faults(tmp_path)).read_text())
+    faults, witness = report["faults"], report["witness"]
+    for name, result in faults.items():
+        assert "fault_client_error" not in result, (name, result)
+        assert result["healthy_after"], (name, result)
+    assert faults["slowloris"]["closed_by_server_after_s"] < FAULT_SERVER_CONFIG["limits"]["open_timeout_s"] + 2
+    assert faults["oversize_and_garbage"]["oversize_close_code"] == 1009
+    assert faults["oversize_and_garbage"]["error_codes"] == ["invalid_binary_frame", "invalid_binary_frame", "invalid_audio",
+                                                             "invalid_json", "unknown_event_type"]
+    assert faults["engine_stall"].get("answer_status", "completed") == "completed"
+    assert faults["slow_reader"]["answer_after_resuming"] is not False
+    assert witness["errors"] == [] and witness["crashed"] is None and witness["closed_by_server"] is None
+    assert witness["answers"] >= 1
+    assert report["server_exit_code"] == 0
