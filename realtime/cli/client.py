@@ -122,6 +122,7 @@ class TurnFigures:
     """One turn as seen from the client (times in ms; None when it did not happen)."""
 
     speech_end: float = 0.0  # monotonic s: the last WAV sample was sent
+    response_id: str | None = None  # the answer to this turn
     endpoint_ms: float | None = None  # speech end -> the server's speech_stopped received
     ttfa_ms: float | None = None  # speech end -> first answer audio received
     server_ttfa_ms: float | None = None  # the server's: end of speech (VAD) -> first audio sent
@@ -135,8 +136,9 @@ class TurnFigures:
         ms = lambda v: "-" if v is None else f"{v:.0f} ms"  # noqa: E731
         status = self.status + (f" ({self.reason})" if self.reason else "")
         text = f", transcript {self.transcript!r}" if self.transcript else ""
-        return (f"turn {k}: ttfa {ms(self.ttfa_ms)} (server {ms(self.server_ttfa_ms)}), end of turn detected after "
-                f"{ms(self.endpoint_ms)}, answer {self.answer_ms / 1000:.2f} s {status}, kept {self.kept_ms / 1000:.2f} s{text}")
+        return (f"turn {k}: ttfa {ms(self.ttfa_ms)} after the WAV ended (server: {ms(self.server_ttfa_ms)} after the end of "
+                f"speech), end of turn detected {ms(self.endpoint_ms)} after the WAV ended, answer {self.answer_ms / 1000:.2f} s "
+                f"{status}, kept {self.kept_ms / 1000:.2f} s{text}")
 
 
 async def _main(args: argparse.Namespace, url: str, pcm: np.ndarray | None, rate: int) -> int:
@@ -186,7 +188,9 @@ class _Conversation:
         self._done = asyncio.Event()
 
     async def consume(self) -> None:
-        from realtime.client import AudioChunk, FirstAudio, Reconnecting, ResponseDone, Resumed, SpeechStopped, TranscriptDelta
+        from realtime.client import (
+            AudioChunk, FirstAudio, Reconnecting, ResponseCreated, ResponseDone, Resumed, SpeechStopped, TranscriptDelta,
+        )
 
         ticker = asyncio.create_task(self.player.ack_every(0.1))
         try:
@@ -197,7 +201,9 @@ class _Conversation:
                     print(f"  {ev}", flush=True)
                 if fig is None:
                     continue
-                if isinstance(ev, SpeechStopped) and fig.endpoint_ms is None and fig.speech_end:
+                if isinstance(ev, ResponseCreated) and fig.response_id is None:
+                    fig.response_id = ev.response_id
+                elif isinstance(ev, SpeechStopped) and fig.endpoint_ms is None and fig.speech_end:
                     fig.endpoint_ms = 1000.0 * (now - fig.speech_end)
                 elif isinstance(ev, FirstAudio):
                     fig.server_ttfa_ms = ev.ttfa_ms
@@ -223,7 +229,8 @@ class _Conversation:
         silence = np.zeros(rate * _SILENCE_MS // 1000, np.int16)
         interrupted = False
         while not self._done.is_set():  # the open microphone while the server answers
-            if not interrupted and interrupt_after_ms is not None and self.player.played_ms() >= interrupt_after_ms:
+            ours = fig.response_id is not None and self.player.response_id == fig.response_id
+            if ours and not interrupted and interrupt_after_ms is not None and self.player.played_ms() >= interrupt_after_ms:
                 interrupted = True
                 await c.interrupt(played_ms=self.player.played_ms())
             await c.stream_audio(silence, rate)
