@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -386,6 +387,15 @@ def test_duplex_client_cli_two_turns(gateway, speech, tmp_path):
     assert "2 turns" in lines[-1] and str(out) in lines[-1]
     with wave.open(str(out)) as w:
         assert w.getframerate() == 24_000 and w.getnchannels() == 1 and w.getnframes() > 24_000 // 10
+
+    # Each answer stopped once 300 ms of it had played, over Opus both ways.
+    r = _duplex("--url", url(gateway), "--token", TOKEN, "--wav", str(wav), "--turns", "2", "--interrupt-after", "300", "--opus")
+    assert r.returncode == 0, r.stderr
+    turns = [ln for ln in r.stdout.splitlines() if ln.startswith("turn ")]
+    assert len(turns) == 2, r.stdout
+    for ln in turns:
+        short = re.search(r"answer (\d+\.\d+) s completed", ln)
+        assert "cancelled (client_cancelled)" in ln or (short and float(short.group(1)) < 0.3), ln
 
 
 def test_duplex_client_cli_bad_input(gateway, tmp_path):
