@@ -25,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 from engine.prompt import synthetic_prompt  # noqa: E402
 from engine.request import AudioRequest  # noqa: E402
 from engine.sampling import SamplingConfig  # noqa: E402
@@ -43,10 +45,24 @@ def requests(batch: int, frames: int, prompt_frames: int, sampling: SamplingConf
     ]
 
 
-async def time_engine(engine, reqs: list[AudioRequest]) -> float:
+async def time_engine(engine, reqs: list[AudioRequest]) -> tuple[float, float]:
+    """(user frames/s, median engine step ms over the steps that ran the whole batch)."""
+    from engine.delay import FrameAssembler
+
+    step_ms: list[float] = []
+
+    async def one(r: AudioRequest) -> int:
+        frames = FrameAssembler()
+        async for chunk in engine.stream_steps(r):
+            for row in chunk.steps:
+                frames.push(row)
+            if chunk.engine_batch == len(reqs) and chunk.engine_tokens == len(reqs) + chunk.engine_cfg_pairs:
+                step_ms.append(chunk.engine_step_ms)  # pure decode steps of the full batch
+        return frames.num_emitted
+
     t0 = time.perf_counter()
-    gens = await asyncio.gather(*(engine.generate(r) for r in reqs))
-    return sum(g.frames.shape[0] for g in gens) / (time.perf_counter() - t0)
+    counts = await asyncio.gather(*(one(r) for r in reqs))
+    return sum(counts) / (time.perf_counter() - t0), float(np.median(step_ms)) if step_ms else float("nan")
 
 
 def time_reference(ref, reqs: list[AudioRequest]) -> float:
@@ -77,10 +93,12 @@ async def main_async(args: argparse.Namespace) -> int:
                 p.append(await time_engine(engine, plain))
                 c.append(await time_engine(engine, guided))
                 n.append(time_reference(ref, guided[: min(b, args.reference_max_requests)]))
-            rows.append((b, max(p), max(c), max(n)))
+            (pf, pms), (cf, cms) = max(p), max(c)
+            rows.append((b, pf, cf, max(n)))
             print(
-                f"{args.sampling} {b:3d} user requests: plain {max(p):8.1f} frames/s   cfg {max(c):8.1f}   "
-                f"naive cfg {max(n):7.1f}   cfg/plain {max(c) / max(p):.2f}   cfg/naive {max(c) / max(n):.1f}",
+                f"{args.sampling} {b:3d} user requests: plain {pf:8.1f} frames/s   cfg {cf:8.1f}   "
+                f"naive cfg {max(n):7.1f}   cfg/plain {cf / pf:.2f}   cfg/naive {cf / max(n):.1f}   "
+                f"(engine step {pms:.1f} ms plain, {cms:.1f} ms cfg)",
                 flush=True,
             )
     finally:
