@@ -5,6 +5,8 @@
     GET  /, /web/...            the demo page, static files from web/ (no auth: they hold no secrets)
     WS   /v1/realtime           OpenAI-Realtime-style events (auth; realtime/transports/websocket.py)
     POST /v1/realtime/calls     WebRTC SDP offer -> answer (auth; realtime/transports/webrtc.py)
+    WS   /v1/telephony/twilio   Twilio Media Streams (token in `start`; realtime/transports/twilio.py)
+    POST /v1/telephony/twiml    TwiML for a call (realtime/transports/twilio.py)
 
 Transports (realtime/transports/, found by `transports.discover()`) register their routes here
 (`ws_routes`, `http_routes`) and share the session machinery:
@@ -115,6 +117,7 @@ class Gateway:
             ping_interval=lim.ping_interval_s, ping_timeout=lim.ping_timeout_s, max_queue=32, compression=None,
             create_connection=BodyConnection,
         )
+        self._server.duplex_metrics = self.metrics  # BodyConnection counts handshakes that never complete
         self.port = self._server.sockets[0].getsockname()[1]
 
     def conversation(self, session_id: str):
@@ -287,6 +290,13 @@ class BodyConnection(ServerConnection):
         if len(self._buf) >= self._need:
             self.body = bytes(self._buf[: self._need])
             self._pass(self._head)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.request is None:  # no complete request head: a dropped, slow or malformed handshake
+            metrics = getattr(self.server, "duplex_metrics", None)
+            if metrics is not None:
+                metrics.handshakes_incomplete.inc()
+        super().connection_lost(exc)
 
     def _pass(self, data: bytes) -> None:
         self._passthrough = True

@@ -46,6 +46,8 @@ def test_fault_runs_leave_the_server_and_the_witness_unharmed(tmp_path, tiny_mod
         assert "fault_client_error" not in result, (name, result)
         assert result["healthy_after"], (name, result)
     assert faults["slowloris"]["closed_by_server_after_s"] < FAULT_SERVER_CONFIG["limits"]["open_timeout_s"] + 2
+    assert report["metrics_delta"]["duplex_handshakes_incomplete_total"] >= faults["slowloris"]["connections"]
+    assert report["metrics_delta"]["duplex_chunks_late_total"] >= 0
     assert faults["oversize_and_garbage"]["oversize_close_code"] == 1009
     assert faults["oversize_and_garbage"]["error_codes"] == ["invalid_binary_frame", "invalid_binary_frame", "invalid_audio",
                                                              "invalid_json", "unknown_event_type"]
