@@ -16,10 +16,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
+    from realtime.soak.run import run_from_args
 
-    from realtime.soak.run import config_from_args, run_soak
-
-    path = asyncio.run(run_soak(config_from_args(args)))
-    print(path)
-    return 0
+    return run_from_args(args)
