@@ -186,14 +186,21 @@ class AsyncOpusEngine:
             )
             num_steps += len(toks)
 
+    @property
+    def max_batched_tokens(self) -> int:
+        return int(self._llm.vllm_config.scheduler_config.max_num_batched_tokens)
+
+    def cfg_max_steps(self, prompt_len: int) -> int:
+        """The most steps a CFG request with this prompt may ask for: both rows prefill (again,
+        after a preemption) in one step, so 2 x (prompt + steps) <= max_num_batched_tokens."""
+        return self.max_batched_tokens // 2 - prompt_len
+
     def _check_request(self, request: AudioRequest, rid: str) -> None:
         if cfg.SHADOW_SUFFIX in rid:
             raise ValueError(f"request id {rid!r}: {cfg.SHADOW_SUFFIX!r} is reserved for CFG shadows")
         if cfg.uses_cfg(request.cfg_scale):
-            from engine.vllm_plugin.cfg_pairs import pair_budget_ok
-
-            budget = self._llm.vllm_config.scheduler_config.max_num_batched_tokens
-            if not pair_budget_ok(request.prompt_len, request.max_steps, budget):
+            budget = self.max_batched_tokens
+            if request.max_steps > self.cfg_max_steps(request.prompt_len):
                 raise ValueError(
                     f"a CFG request's two rows prefill in one step: 2 x (prompt {request.prompt_len} + "
                     f"{request.max_steps} steps) exceeds max_num_batched_tokens={budget}"

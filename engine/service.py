@@ -29,7 +29,7 @@ import numpy as np
 
 from engine import cfg, vocab
 from engine.capacity import CapacityModel
-from engine.delay import FrameAssembler
+from engine.delay import MAX_DELAY, FrameAssembler
 from engine.dialogue import DialogueTurn, response_prompt, stable_user_prefix
 from engine.request import AudioRequest
 from engine.sampling import SamplingConfig
@@ -39,6 +39,7 @@ from engine.service_api import (
     AudioChunk,
     ConversationClosed,
     ConversationOptions,
+    EngineError,
     EngineHealth,
     EngineLoad,
     HistoryTurn,
@@ -217,9 +218,12 @@ class Conversation:
             response.answering = True
             self.last_prompt = response_prompt(self._turns)
             self.cached_tokens_last_response = 0
+            max_frames = max(1, int(self._options.max_response_ms / FRAME_MS))
+            if cfg.uses_cfg(self._options.cfg_scale):
+                max_frames = self._engine._cfg_max_frames(len(self.last_prompt), max_frames)
             request = AudioRequest(
                 prompt=self.last_prompt,
-                max_frames=max(1, int(self._options.max_response_ms / FRAME_MS)),
+                max_frames=max_frames,
                 min_frames=1,
                 sampling=self._sampling,
                 cache_salt=self._salt,
@@ -461,6 +465,17 @@ class Engine:
             return tok.take(state)
 
         return asyncio.wrap_future(self._tok_pool.submit(job))
+
+    def _cfg_max_frames(self, prompt_len: int, wanted: int) -> int:
+        """A guided answer's frame cap: a CFG pair prefills whole (engine/README.md), so the
+        prompt and the answer, twice, must fit one step's token budget."""
+        fits = self.llm.cfg_max_steps(prompt_len) - MAX_DELAY
+        if fits < 1:
+            raise EngineError(
+                f"the conversation ({prompt_len} positions) is too long for guidance (cfg_scale) with "
+                f"max_num_batched_tokens={self.llm.max_batched_tokens}; use cfg_scale 1"
+            )
+        return min(wanted, fits)
 
     async def _prefill(self, prompt: np.ndarray, salt: str) -> None:
         req = AudioRequest(prompt=prompt, max_frames=1, sampling=SamplingConfig(temperature=0.0),

@@ -29,7 +29,7 @@ Prefix caching and chunked prefill, for pairs only:
 - A pair's prefill is never chunked: it is admitted only in a step whose remaining token budget
   holds both whole prompts (a preempted pair: prompt + output). Cost: a long CFG prompt waits for
   such a step, and it needs max_num_batched_tokens >= 2 x (prompt + max_tokens), which the
-  front-end checks (AsyncOpusEngine). Non-CFG requests keep chunked prefill and prefix caching.
+  front-end checks (AsyncOpusEngine.cfg_max_steps; the service shortens a guided answer to fit). Non-CFG requests keep chunked prefill and prefix caching.
 """
 
 from __future__ import annotations
@@ -39,11 +39,6 @@ from vllm.v1.request import Request, RequestStatus
 
 from engine import cfg
 from engine.request import cfg_scale_of, shadow_request
-
-
-def pair_budget_ok(prompt_tokens: int, max_tokens: int, max_batched_tokens: int) -> bool:
-    """Whether a pair can ever be (re)admitted: both rows' prefill in one step."""
-    return 2 * (prompt_tokens + max_tokens) <= max_batched_tokens
 
 
 class CfgPairsMixin:
@@ -112,6 +107,16 @@ class CfgPairsMixin:
             return
         for engine_outputs in outputs.values():
             engine_outputs.outputs = [o for o in engine_outputs.outputs if o.request_id not in self.main_of_shadow]
+
+    def make_stats(self, *args, **kwargs):
+        """vLLM's scheduler stats (log_stats), shadows not counted as requests."""
+        stats = super().make_stats(*args, **kwargs)
+        if stats is not None and self.main_of_shadow:
+            running = sum(1 for r in self.running if r.request_id in self.main_of_shadow)
+            waiting = sum(1 for r in self.waiting if r.request_id in self.main_of_shadow)
+            stats.num_running_reqs -= running
+            stats.num_waiting_reqs -= waiting
+        return stats
 
     # --- before vLLM's schedule() ------------------------------------------------------------
 
