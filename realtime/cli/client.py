@@ -1,5 +1,5 @@
 """`duplex client`: talk to a running `duplex serve` from a terminal, through the Python SDK
-(realtime/client.py).
+(realtime/client/).
 
     duplex client --url ws://127.0.0.1:8000/v1/realtime --token TOKEN --wav question.wav --out reply.wav
 

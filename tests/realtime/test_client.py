@@ -1,4 +1,4 @@
-"""The Python client SDK (realtime/client.py) and `duplex client` against a real gateway on 127.0.0.1
+"""The Python client SDK (realtime/client/) and `duplex client` against a real gateway on 127.0.0.1
 with the real engine (tiny model, CPU, vLLM): conversations, an interruption, a connection cut
 mid-answer by a TCP proxy (reconnect + resume), typed errors, the CLI as a subprocess.
 
@@ -308,7 +308,8 @@ def test_a_session_not_resumed_in_time_ends(gateway):
 
 def test_resume_with_an_unknown_token_is_refused(gateway):
     async def main():
-        ws = await websockets.connect(url(gateway) + "?resume=resume_nope&last_seq=3", additional_headers={"Authorization": f"Bearer {TOKEN}"})
+        ws = await websockets.connect(url(gateway) + "?resume=resume_nope&last_seq=3",
+                                      additional_headers={"Authorization": f"Bearer {TOKEN}"})
         first = json.loads(await ws.recv())
         with pytest.raises(websockets.ConnectionClosed):
             await ws.recv()

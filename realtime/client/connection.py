@@ -1,26 +1,5 @@
-"""Python client SDK for the gateway's `WS /v1/realtime` (docs/protocol.md): typed events, audio in and
-out, playback acknowledgements, reconnect and resume.
-
-    async with DuplexClient("ws://127.0.0.1:8000/v1/realtime", token) as c:
-        await c.update_session(instructions="Be brief.")
-        mic = asyncio.create_task(c.stream_audio(pcm, 16_000))   # or `await c.send_audio(pcm, rate_hz)` as audio comes
-        async for ev in c.play(SimulatedSpeaker()):              # events(); each answer played into the sink, acknowledged
-            if isinstance(ev, ResponseDone):
-                print(ev.status, ev.ttfa_ms)
-
-- Audio in: int16 or float mono at any rate, resampled and cut into 20 ms frames: pcm16 24 kHz in JSON
-  appends, or (`input_format="opus"`) one Opus packet per binary frame.
-- Audio out: pcm16 or (`output_format="opus"`) binary Opus on the wire, decoded to int16 at
-  `output_rate_hz`; `AudioChunk`s carry their response id and epoch, and audio of a response that was
-  cleared (barge-in, cancel) is dropped.
-- Errors are exceptions carrying the server's code and message (`DuplexError` and its subclasses).
-- Reconnect and resume: a connection that dies without a close frame is reopened with exponential
-  backoff and jitter (`Reconnect`), resuming the same server session with the resume token from
-  `session.created` and the count of messages received; the server replays what this client missed.
-  `Reconnecting` and `Resumed` events report it; a session that cannot be resumed ends `events()` with
-  `SessionLost`. Audio sent while disconnected is held (the newest `max_buffered_audio_ms`, the rest
-  dropped and counted in `stats`) and sent after the resume; other events wait for the resume.
-"""
+"""`DuplexClient`: one conversation over `WS /v1/realtime`, with reconnect and resume (see the
+package docstring, realtime/client/__init__.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +15,6 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
@@ -44,163 +22,40 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from realtime.audio import OPUS_FRAME_MS, OutputEncoder, StreamResampler, WireFormat
+from realtime.client.events import (
+    ERRORS_BY_CODE,
+    AudioChunk,
+    ConnectError,
+    DuplexError,
+    ErrorEvent,
+    Event,
+    FirstAudio,
+    InputCommitted,
+    OutputCleared,
+    ProtocolError,
+    Reconnecting,
+    ResponseCreated,
+    ResponseDone,
+    Resumed,
+    SessionCreated,
+    SessionEnded,
+    SessionLost,
+    SessionUpdated,
+    SpeechStarted,
+    SpeechStopped,
+    TranscriptDelta,
+    Unauthorized,
+)
+from realtime.client.playback import WIRE_RATE_HZ, AudioSink, Player
 
 log = logging.getLogger("duplex.client")
 
-WIRE_RATE_HZ = 24_000  # pcm16 on the wire
+
 _OPUS_ENCODE_RATE_HZ = 16_000
 _OPUS_RATES_HZ = (8_000, 12_000, 16_000, 24_000, 48_000)
 _BINARY_OPUS = 0x01
 _EPOCH = struct.Struct("<I")
 _FRAME_MS = 20  # client audio frame
-
-
-# --- errors ----------------------------------------------------------------------------------------
-
-
-class DuplexError(Exception):
-    """An error with a code: the server's error code where the server sent one."""
-
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(f"{message} ({code})")
-        self.code, self.message, self.param = code, message, param
-
-
-class ConnectError(DuplexError):
-    """Could not open a session: bad URL, connection refused, HTTP error (code `invalid_url`,
-    `connect_failed`, `http_<status>`)."""
-
-
-class Unauthorized(ConnectError):
-    """HTTP 401: a missing or wrong token (code `unauthorized`)."""
-
-
-class ServerAtCapacity(DuplexError):
-    """The server refused a new session (code `server_at_capacity`); try again later."""
-
-
-class ProtocolError(DuplexError):
-    """The server rejected an event this client sent (`invalid_value`, `invalid_type`, ...)."""
-
-
-class SessionEnded(DuplexError):
-    """The server ended the session (`idle_timeout`, `server_shutting_down`, a close code...)."""
-
-
-class SessionLost(SessionEnded):
-    """The connection dropped and the session could not be resumed (`resume_failed`, `reconnect_gave_up`...)."""
-
-
-_OPEN_ERRORS = {"server_at_capacity": ServerAtCapacity, "resume_failed": SessionLost, "invalid_last_seq": SessionLost}
-
-
-# --- events ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SessionCreated:
-    session_id: str
-    session: dict  # the server's session object (GA shape, plus `duplex`)
-
-
-@dataclass(frozen=True)
-class SessionUpdated:
-    session: dict
-
-
-@dataclass(frozen=True)
-class SpeechStarted:
-    item_id: str
-    audio_start_ms: float  # on the session's input timeline (includes prefix padding)
-
-
-@dataclass(frozen=True)
-class SpeechStopped:
-    item_id: str
-    audio_end_ms: float
-
-
-@dataclass(frozen=True)
-class InputCommitted:
-    item_id: str
-
-
-@dataclass(frozen=True)
-class ResponseCreated:
-    response_id: str
-    epoch: int
-
-
-@dataclass(frozen=True)
-class FirstAudio:
-    response_id: str
-    epoch: int
-    ttfa_ms: float | None  # server side: end of user speech -> first audio sent
-
-
-@dataclass(frozen=True)
-class AudioChunk:
-    response_id: str
-    epoch: int
-    pcm: np.ndarray  # int16 mono at rate_hz
-    rate_hz: int
-    start_ms: float  # offset of this chunk in the response's audio
-
-    @property
-    def duration_ms(self) -> float:
-        return 1000.0 * self.pcm.size / self.rate_hz
-
-
-@dataclass(frozen=True)
-class TranscriptDelta:
-    response_id: str
-    delta: str
-
-
-@dataclass(frozen=True)
-class OutputCleared:
-    """Stop playing this response now and drop what is buffered (barge-in or cancel)."""
-
-    response_id: str
-
-
-@dataclass(frozen=True)
-class ResponseDone:
-    response_id: str
-    status: str  # completed | cancelled | failed
-    reason: str | None  # turn_detected | client_cancelled | engine_error | None
-    audio_ms: float  # audio the server sent
-    played_ms: float  # audio the conversation history keeps
-    ttfa_ms: float | None
-    transcript: str
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    """An `error` event that did not end the session (a request's own error raises instead)."""
-
-    code: str
-    message: str
-    param: str | None
-    event_id: str | None  # the client event it answers, if any
-
-
-@dataclass(frozen=True)
-class Reconnecting:
-    attempt: int
-    delay_s: float
-    reason: str
-
-
-@dataclass(frozen=True)
-class Resumed:
-    session_id: str
-    replayed: int  # messages the server sent again
-    missed: int  # messages it no longer had (0: nothing was lost; else the answer was ended cleanly)
-
-
-Event = (SessionCreated | SessionUpdated | SpeechStarted | SpeechStopped | InputCommitted | ResponseCreated | FirstAudio
-         | AudioChunk | TranscriptDelta | OutputCleared | ResponseDone | ErrorEvent | Reconnecting | Resumed)
 
 
 # --- configuration and state -----------------------------------------------------------------------
@@ -353,11 +208,12 @@ class DuplexClient:
         self._emit(SessionCreated(self.session_id, self.session))
         self._set_state(ConnState.OPEN)
         self._tasks = [asyncio.create_task(self._connection()), asyncio.create_task(self._sender())]
-        audio: dict = {}
         if self.output_format == "opus":
-            audio["output"] = {"format": {"type": "audio/opus"}}
-        if audio:
-            await self.update_session(session={"audio": audio})
+            try:
+                await self.update_session(session={"audio": {"output": {"format": {"type": "audio/opus"}}}})
+            except BaseException:
+                await self.close()
+                raise
 
     async def close(self) -> None:
         """End the session (a normal close: the server does not keep it for a resume)."""
@@ -406,6 +262,7 @@ class DuplexClient:
     async def send_audio(self, pcm: np.ndarray, rate_hz: int) -> None:
         """Queue user audio (mono int16, or float in [-1, 1]) at `rate_hz`; resampled and sent in 20 ms
         frames. Waits while more than `max_buffered_audio_ms` is queued on an open connection."""
+        self._check_open()
         pcm = _as_int16(pcm)
         if self._in_rate != rate_hz:
             wire_rate = _OPUS_ENCODE_RATE_HZ if self._opus_encoder else WIRE_RATE_HZ
@@ -522,7 +379,7 @@ class DuplexClient:
             await ws.close()
             err = first.get("error") or {}
             code = err.get("code") or "server_error"
-            raise _OPEN_ERRORS.get(code, ConnectError)(code, err.get("message") or "", err.get("param"))
+            raise ERRORS_BY_CODE.get(code, ConnectError)(code, err.get("message") or "", err.get("param"))
         want = "session.resumed" if resume else "session.created"
         if first.get("type") != want:
             await ws.close()
@@ -625,9 +482,14 @@ class DuplexClient:
         self._outbox.append(item)
         self._wake.set()
 
-    async def _send_event(self, event: dict) -> None:
+    def _check_open(self) -> None:
         if self._ended is not None:
             raise self._ended if isinstance(self._ended, BaseException) else SessionEnded("session_closed", "the session is closed")
+        if self.state is ConnState.CLOSED:
+            raise SessionEnded("not_connected", "connect() first")
+
+    async def _send_event(self, event: dict) -> None:
+        self._check_open()
         self._queue(_Outgoing(json.dumps(event)))
         await self._drain(self.max_buffered_audio_ms)
 
@@ -784,117 +646,3 @@ class DuplexClient:
         "output_audio_buffer.cleared": _on_output_cleared,
         "response.done": _on_response_done,
     }
-
-
-# --- playback --------------------------------------------------------------------------------------
-
-
-class AudioSink(Protocol):
-    """Where answers are played: a sound device, or `SimulatedSpeaker`."""
-
-    rate_hz: int
-
-    async def write(self, pcm: np.ndarray) -> None:
-        """Queue int16 mono audio at rate_hz for playback (may wait for room)."""
-
-    def played_samples(self) -> int:
-        """Samples played so far (cleared audio never counts)."""
-
-    def queued_samples(self) -> int:
-        """Samples written but not played yet."""
-
-    def clear(self) -> None:
-        """Drop what is queued and not played yet (barge-in)."""
-
-
-class SimulatedSpeaker:
-    """A speaker without a device: it plays in real time on the monotonic clock (restarting after an
-    underrun, as a device does) and keeps what was heard: `heard()`. For files, tests and `duplex client`."""
-
-    def __init__(self, rate_hz: int = WIRE_RATE_HZ, clock=time.monotonic) -> None:
-        self.rate_hz = rate_hz
-        self._clock = clock
-        self._parts: list[np.ndarray] = []
-        self._written = 0  # samples written and not cleared
-        self._anchor_samples = 0  # sample that started playing at _anchor_time
-        self._anchor_time: float | None = None
-
-    def played_samples(self) -> int:
-        if self._anchor_time is None:
-            return 0
-        return min(self._written, self._anchor_samples + int((self._clock() - self._anchor_time) * self.rate_hz))
-
-    def queued_samples(self) -> int:
-        return self._written - self.played_samples()
-
-    async def write(self, pcm: np.ndarray) -> None:
-        if pcm.size == 0:
-            return
-        if self.queued_samples() == 0:  # idle or underrun: this audio starts playing now
-            self._anchor_samples, self._anchor_time = self._written, self._clock()
-        self._parts.append(np.asarray(pcm, np.int16))
-        self._written += pcm.size
-
-    def clear(self) -> None:
-        played = self.played_samples()
-        if played < self._written:
-            whole = self.heard()[:played]
-            self._parts, self._written = [whole], played
-
-    async def drain(self) -> None:
-        """Wait until everything written has been played."""
-        while (q := self.queued_samples()) > 0:
-            await asyncio.sleep(q / self.rate_hz)
-
-    def heard(self) -> np.ndarray:
-        """Everything written and not cleared (all of it played once `drain()` returns)."""
-        if len(self._parts) > 1:
-            self._parts = [np.concatenate(self._parts)]
-        return self._parts[0] if self._parts else np.zeros(0, np.int16)
-
-
-class Player:
-    """Plays each answer's audio into a sink and acknowledges how much of it was played."""
-
-    def __init__(self, client: DuplexClient, sink: AudioSink) -> None:
-        self.client, self.sink = client, sink
-        self.response_id: str | None = None
-        self._start: int | None = None  # sink position (played timeline) of the response's first sample
-        self._written = 0  # samples of the response written to the sink
-        self._resampler: StreamResampler | None = None
-        self._stopped = False  # cleared: nothing more of this response is played
-
-    def played_ms(self) -> float:
-        """How much of the current response has been played."""
-        if self._start is None:
-            return 0.0
-        return 1000.0 * min(self._written, max(0, self.sink.played_samples() - self._start)) / self.sink.rate_hz
-
-    async def on_event(self, ev: Event) -> None:
-        if isinstance(ev, ResponseCreated):
-            self.response_id, self._start, self._written, self._stopped = ev.response_id, None, 0, False
-            same_rate = self.client.output_rate_hz == self.sink.rate_hz
-            self._resampler = None if same_rate else StreamResampler(self.client.output_rate_hz, self.sink.rate_hz)
-        elif isinstance(ev, AudioChunk) and ev.response_id == self.response_id and not self._stopped:
-            pcm = ev.pcm if self._resampler is None else self._resampler.process(ev.pcm)
-            if self._start is None:
-                self._start = self.sink.played_samples() + self.sink.queued_samples()
-            await self.sink.write(pcm)
-            self._written += pcm.size
-        elif isinstance(ev, OutputCleared) and ev.response_id == self.response_id:
-            self.sink.clear()
-            self._stopped = True
-            self.ack()
-
-    def ack(self) -> None:
-        if self.response_id is not None and self._start is not None:
-            self.client.played(self.played_ms(), self.response_id)
-
-    async def ack_every(self, interval_s: float) -> None:
-        last = None
-        while True:
-            await asyncio.sleep(interval_s)
-            now = (self.response_id, self.played_ms())
-            if now != last and not self._stopped:
-                self.ack()
-                last = now
