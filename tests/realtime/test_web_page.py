@@ -163,14 +163,17 @@ def test_page_holds_a_conversation(server, browser, speech, tmp_path):
 
 def test_page_interrupting_the_answer_clears_it(server, browser, speech, tmp_path):
     assert server.wait_sessions(0) == 0
-    first = speech("Please tell me a long story about the sea and ships.", 48000)
-    second = speech("Wait, stop, stop.", 48000)
-    mic = _write_wav(tmp_path / "mic.wav", np.concatenate([silence(800, 48000), first, silence(1700, 48000), second,
-                                                          silence(8000, 48000)]))
+    # Utterances after growing pauses: whatever the machine's time to first audio, one of them starts
+    # while an answer is playing (an answer cut before its first audio is not "cleared").
+    parts = [silence(800, 48000)]
+    for text, pause_ms in (("Please tell me a long story about the sea.", 1700), ("Wait, stop, stop.", 3000),
+                           ("No, go on please.", 5000), ("Hold on a moment.", 7000), ("Stop there.", 8000)):
+        parts += [speech(text, 48000), silence(pause_ms, 48000)]
+    mic = _write_wav(tmp_path / "mic.wav", np.concatenate(parts))
     page = browser(mic, viewport=(390, 844))  # a phone-sized screen
     page.goto(f"{server.base}/?token={TOKEN}")
     page.click("#connect")
-    page.wait_for_function("window.duplex.cleared >= 1", timeout=90_000)
+    page.wait_for_function("window.duplex.cleared >= 1", timeout=120_000)
     s = state(page)
     shot(page, "interrupted-phone")
     assert s["interruptions"] >= 1
