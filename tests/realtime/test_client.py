@@ -24,7 +24,7 @@ from rt_helpers import silence
 from engine.service_api import Role
 from realtime.client import (
     AudioChunk, ConnectError, DuplexClient, OutputCleared, ProtocolError, Reconnect, Reconnecting, ResponseCreated,
-    ResponseDone, Resumed, ServerAtCapacity, SessionCreated, SessionLost, SimulatedSpeaker, SpeechStopped, Unauthorized,
+    ResponseDone, Resumed, ServerAtCapacity, SessionCreated, SessionEnded, SessionLost, SimulatedSpeaker, SpeechStopped, Unauthorized,
 )
 from realtime.config import config_from_dict
 
@@ -304,6 +304,31 @@ def test_a_session_not_resumed_in_time_ends(gateway):
         gateway.config = config
     assert lost.code == "connection_lost"
     assert gone  # the server freed it after the grace
+
+
+def test_a_resume_takes_over_a_connection_the_server_still_holds(gateway):
+    """The client noticed the drop first: its resume replaces the old connection, which is closed."""
+    async def main():
+        c = DuplexClient(url(gateway), TOKEN, reconnect=Reconnect(enabled=False))
+        await c.connect()
+        ws = await websockets.connect(f"{url(gateway)}?resume={c.resume_token}&last_seq={c.stats.messages_received}",
+                                      additional_headers={"Authorization": f"Bearer {TOKEN}"})
+        resumed = json.loads(await ws.recv())
+        with pytest.raises(SessionEnded) as old:
+            async for _ in c.events():
+                pass
+        await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+        cleared = json.loads(await ws.recv())
+        sessions = list(gateway.sessions)
+        await ws.close()
+        await c.close()
+        return c.session_id, resumed, old.value, cleared, sessions
+
+    sid, resumed, old, cleared, sessions = run(main())
+    assert resumed["type"] == "session.resumed" and resumed["session"]["id"] == sid
+    assert resumed["replayed"] == 0 and resumed["missed"] == 0
+    assert old.code == "closed_1000"
+    assert cleared["type"] == "input_audio_buffer.cleared" and sid in sessions
 
 
 def test_resume_with_an_unknown_token_is_refused(gateway):
