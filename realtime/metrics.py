@@ -26,6 +26,7 @@ class GatewayMetrics:
         self.responses = Counter("duplex_responses", "Responses by final status", ["status"], registry=r)
         self.client_errors = Counter("duplex_client_errors", "error events sent for bad client input", registry=r)
         self.input_frames = Counter("duplex_input_frames", "Client audio frames consumed by sessions (all transports)", registry=r)
+        self.sessions_ended = Counter("duplex_sessions_ended", "Sessions ended, by transport and reason", ["transport", "reason"], registry=r)
         self.handshakes_incomplete = Counter("duplex_handshakes_incomplete", "Connections closed before a complete HTTP request (slow or dropped handshakes)", registry=r)
         self.frames_dropped = Counter("duplex_input_frames_dropped", "Client audio frames dropped by policy", ["transport", "reason"], registry=r)
         self.webrtc_peers = Gauge("duplex_webrtc_peer_connections", "WebRTC peer connections alive", registry=r)

@@ -110,6 +110,7 @@ class RealtimeProtocol:
         self.limits = limits or ProtocolLimits()
         self.settings = settings or SessionSettings()
         self.settings_changed = False  # set by session.update when the engine's options changed
+        self.client_errors = 0  # error events answering bad client input (the gateway counts them)
         self.closing: tuple[int, str] | None = None  # this protocol never ends a session by itself
         self._out: list[str | bytes] = []
         self._event_ids = itertools.count(1)
@@ -127,6 +128,8 @@ class RealtimeProtocol:
         self._out.append(json.dumps({"type": event_type, "event_id": f"event_{next(self._event_ids)}", **fields}, separators=(",", ":")))
 
     def _error(self, e: ClientError | SessionError, client_event_id: str | None) -> None:
+        if isinstance(e, (ClientError, SessionError)) and getattr(e, "error_type", "invalid_request_error") != "server_error":
+            self.client_errors += 1
         self._emit("error", error={
             "type": getattr(e, "error_type", "invalid_request_error"), "code": e.code, "message": e.message,
             "param": e.param, "event_id": client_event_id,

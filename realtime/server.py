@@ -175,7 +175,15 @@ class Gateway:
             self.sessions.pop(runner.id, None)
             self.metrics.sessions_active.dec()
             await runner.conv.close()
+            self._count_end(runner)
             runner.log_end()
+
+    def _count_end(self, runner: SessionRunner) -> None:
+        m = self.metrics
+        m.sessions_ended.labels(runner.transport, end_reason(runner)).inc()
+        m.client_errors.inc(getattr(runner.proto, "client_errors", 0))
+        for status in runner.session.response_statuses():
+            m.responses.labels(status.name.lower()).inc()
 
     # ---- HTTP ----
     def authorized(self, headers: Headers, query: dict[str, list[str]]) -> bool:
@@ -224,6 +232,23 @@ class Gateway:
     async def _handle_ws(self, ws: ServerConnection) -> None:
         route = self.ws_routes[urlsplit(ws.request.path).path]
         await route.handler(self, ws)
+
+
+def end_reason(runner: SessionRunner) -> str:
+    """Why a session ended, for `duplex_sessions_ended_total{reason}` (faults show up here)."""
+    if runner.closing is None:
+        ws = getattr(runner.link, "ws", None)
+        sent = getattr(getattr(ws, "protocol", None), "close_sent", None)
+        if sent is not None and sent.code == 1009:
+            return "message_too_big"
+        return "client_closed"
+    code, reason = runner.closing
+    reason = reason.lower()
+    for key, name in (("slow client", "slow_client"), ("idle", "idle_timeout"), ("not resumed", "connection_lost"),
+                      ("shutting down", "server_shutdown")):
+        if key in reason:
+            return name
+    return "protocol_end" if code == 1000 else f"closed_{code}"
 
 
 def _static(path: str) -> HttpReply:

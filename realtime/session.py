@@ -233,6 +233,10 @@ class Session:
         out, self._commands = self._commands, []
         return out
 
+    def response_statuses(self) -> list[ResponseStatus]:
+        """The status of every response of this session, oldest first."""
+        return [r.status for r in self._assistant_items.values()]
+
     @property
     def epoch(self) -> int:
         return self._epoch

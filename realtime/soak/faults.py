@@ -197,7 +197,7 @@ async def run_faults(out_dir: Path, seed: int = 0) -> Path:
                     "errors": w.errors, "crashed": w.crashed, "closed_by_server": w.closed_by_server,
                     "underruns": sum(a.playout.underruns for a in w.answers)},
         "metrics_delta": {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in sorted(set(after) | set(before))
-                          if k.endswith("_total")},
+                          if k.split("{")[0].endswith("_total")},
         "server_exit_code": exit_code, "server_log": str(server.log_path),
     }
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -92,7 +92,7 @@ def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, ti
         "by_transport": by_transport,
         "accounting": acct,
         "server": {"metrics_delta": {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in sorted(set(after) | set(before))
-                                     if k.endswith("_total") or "_refused" in k},
+                                     if k.split("{")[0].endswith("_total") or "_refused" in k},
                    "healthy_after": bool(final_health.get("ready")), "exit_code": server_exit,
                    "log": str(server_log) if server_log else None},
         "timeline": timeline,
