@@ -77,10 +77,11 @@ def test_reference_cfg_changes_the_output_and_w1_is_plain(ref) -> None:
     base = AudioRequest(synthetic_prompt(1, 16), 20, 20, GREEDY)
     plain = ref.generate(base).steps
     same = ref.generate(AudioRequest(base.prompt, 20, 20, GREEDY, cfg_scale=1.0)).steps
-    guided = ref.generate(AudioRequest(base.prompt, 20, 20, GREEDY, cfg_scale=3.0)).steps
+    guided_gen = ref.generate(AudioRequest(base.prompt, 20, 20, GREEDY, cfg_scale=3.0))
+    guided = guided_gen.steps
     np.testing.assert_array_equal(plain, same)
     assert guided.shape == plain.shape and not np.array_equal(guided, plain)
-    assert vocab.in_stream_range(ref.generate(AudioRequest(base.prompt, 20, 20, GREEDY, cfg_scale=3.0)).frames).all()
+    assert vocab.in_stream_range(guided_gen.frames).all()
 
 
 def test_pair_check_rejects_a_split() -> None:
