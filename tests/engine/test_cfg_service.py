@@ -3,6 +3,8 @@ its answer is the reference's CFG generation for the same prompt, and differs fr
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -48,3 +50,22 @@ def test_guided_conversation_equals_the_reference_cfg(service, loop_thread, tiny
     assert not np.array_equal(guided, plain)
     assert sum(c.duration_ms for c in chunks) == pytest.approx(len(frames) * 20.0)
 
+
+
+def test_incremental_prefill_for_plain_conversations_only(service, loop_thread) -> None:
+    """While the user talks, a plain conversation prefills its stable prefix; a guided one does
+    not (CFG pairs never read the prefix cache, so it would buy nothing)."""
+    pcm = (speech_like(1.2, seed=5) * 20000).astype(np.int16)
+
+    async def talk(session: str, cfg_scale: float) -> int:
+        conv = service.open_conversation(session, ConversationOptions(temperature=0.0, cfg_scale=cfg_scale))
+        for i in range(0, len(pcm), 1600):  # 100 ms pieces at real-time pace
+            conv.push_user_audio(pcm[i : i + 1600])
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.3)
+        n = conv.prefilled_requests
+        await conv.close()
+        return n
+
+    assert loop_thread.run(talk("plain-talker", 1.0)) > 0
+    assert loop_thread.run(talk("guided-talker", 2.0)) == 0
