@@ -122,7 +122,9 @@ async def oversize_and_garbage(base: str, token: str, speech: np.ndarray) -> dic
 
     ws = await _ws(base, token)
     errors = []
-    for junk in (b"\x00\xff" * 50, os.urandom(300), b"\x01" + os.urandom(200), "{not json", json.dumps({"type": "no.such.event"})):
+    # not our binary frame (x2); an Opus packet whose code-3 frame count is 0 (random bytes are valid Opus about half
+    # the time); not JSON; an unknown event
+    for junk in (b"\x00\xff" * 50, b"\x02" + os.urandom(300), b"\x01\x03\x00", "{not json", json.dumps({"type": "no.such.event"})):
         await ws.send(junk)
         errors.append((await _until_event(ws, "error", 10))["error"]["code"])
     await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
