@@ -115,7 +115,6 @@ class Caller(ABC):
                 a.barge_in_at = now
                 self._barge_plan = None
                 self._say()
-        self.record.frames_sent += 1
         if self._mic:
             return self._mic.popleft()
         return np.zeros(self.wire_rate_hz * FRAME_MS // 1000, np.int16)
@@ -285,6 +284,7 @@ class WebSocketCaller(Caller):
             else:
                 await self.ws.send(json.dumps({"type": "input_audio_buffer.append",
                                                "audio": base64.b64encode(frame.astype("<i2").tobytes()).decode()}))
+            self.record.frames_sent += 1  # counted once on the wire (a cancel mid-send does not count)
             if (played := self.ack_due(now)) is not None:
                 await self.ws.send(json.dumps({"type": "output_audio_buffer.played", "played_ms": round(played, 1),
                                                "response_id": self._answer.response_id}))
@@ -367,6 +367,7 @@ class WebRtcCaller(Caller):
                 if wait > 0:
                     await asyncio.sleep(wait)
                 pcm = caller.next_frame(time.monotonic())
+                caller.record.frames_sent += 1  # handed to aiortc's encoder and RTP sender
                 f = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
                 f.sample_rate, f.pts, f.time_base = 48_000, self.n * pcm.size, fractions.Fraction(1, 48_000)
                 self.n += 1
@@ -508,6 +509,7 @@ class TwilioCaller(Caller):
             frame = self.next_frame(now)
             await self._send({"event": "media", "media": {"track": "inbound", "chunk": str(n), "timestamp": str(n * FRAME_MS),
                                                           "payload": base64.b64encode(ulaw_encode(frame)).decode()}})
+            self.record.frames_sent += 1
             a = self._answer
             while self._marks and a is not None and a.playout.played_ms(now) >= self._marks[0][1]:
                 await self._send({"event": "mark", "mark": {"name": self._marks.pop(0)[0]}})
