@@ -59,7 +59,7 @@ class SoakConfig:
 
 
 def speech_sentences(seed: int) -> tuple[Utterance, ...]:
-    """espeak-ng sentences at 16 kHz with a little leading silence (the VAD's prefix)."""
+    """espeak-ng sentences at 16 kHz, trimmed to the speech (50 ms of lead-in kept)."""
     import shutil
     import wave
 
@@ -77,7 +77,10 @@ def speech_sentences(seed: int) -> tuple[Utterance, ...]:
             with wave.open(str(path)) as w:
                 pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2")
                 rate = w.getframerate()
-            out.append(Utterance(text, soxr.resample(pcm, rate, 16_000).astype(np.int16)))
+            pcm = soxr.resample(pcm, rate, 16_000).astype(np.int16)
+            loud = np.flatnonzero(np.abs(pcm.astype(np.int32)) > 500)
+            # espeak pads its WAV with silence: cut it, so the end of the frames is the end of speech
+            out.append(Utterance(text, pcm[max(0, loud[0] - 800): loud[-1] + 1]))
     return tuple(out)
 
 
