@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import subprocess
 import tempfile
@@ -26,3 +27,22 @@ def espeak(text: str, rate_hz: int) -> np.ndarray:
 
 def silence(ms: float, rate_hz: int) -> np.ndarray:
     return np.zeros(int(rate_hz * ms / 1000), np.int16)
+
+
+@contextlib.contextmanager
+def running_gateway(loop_thread, model, capacity: int, config: dict):
+    """A Gateway on 127.0.0.1 (port chosen by the OS) in front of the real engine (`model`, CPU), on the
+    shared loop thread; `config` is the server config as a dict (`server.port` is forced to 0)."""
+    from engine.service import Engine, EngineServiceConfig
+    from realtime.config import config_from_dict
+    from realtime.server import Gateway
+
+    eng = loop_thread.run(Engine.start(EngineServiceConfig(model=str(model), capacity_override=capacity, warmup=False)))
+    cfg = config_from_dict({**config, "server": {**config.get("server", {}), "port": 0}})
+    gw = Gateway(eng, cfg)
+    try:
+        loop_thread.run(gw.start())
+        yield gw
+    finally:
+        loop_thread.run(gw.stop())
+        loop_thread.run(eng.shutdown())

@@ -16,11 +16,10 @@ import urllib.request
 import numpy as np
 import pytest
 import websockets
-from rt_helpers import silence
+from rt_helpers import running_gateway, silence
 
 from engine.service_api import Role
 from realtime.audio import InputDecoder, OutputEncoder, WireFormat
-from realtime.config import config_from_dict
 
 pytestmark = pytest.mark.vllm
 
@@ -31,21 +30,13 @@ MAX_RESPONSE_MS = 4000.0
 
 @pytest.fixture(scope="module")
 def gateway(loop_thread, tiny_model):
-    from engine.service import Engine, EngineServiceConfig
-    from realtime.server import Gateway
-
-    eng = loop_thread.run(Engine.start(EngineServiceConfig(model=str(tiny_model), capacity_override=CAPACITY, warmup=False)))
-    cfg = config_from_dict({
+    with running_gateway(loop_thread, tiny_model, CAPACITY, {
         "server": {"port": 0, "token": TOKEN},
         "vad": {"silence_duration_ms": 400},
         "session": {"max_response_ms": MAX_RESPONSE_MS, "temperature": 0.0},
         "limits": {"max_message_bytes": 256 * 1024, "max_append_bytes": 64 * 1024},
-    })
-    gw = Gateway(eng, cfg)
-    loop_thread.run(gw.start())
-    yield gw
-    loop_thread.run(gw.stop())
-    loop_thread.run(eng.shutdown())
+    }) as gw:
+        yield gw
 
 
 def url(gw, path="/v1/realtime", scheme="ws"):

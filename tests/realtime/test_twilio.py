@@ -29,7 +29,7 @@ from collections import deque
 import numpy as np
 import pytest
 import soxr
-from rt_helpers import silence
+from rt_helpers import running_gateway, silence
 
 from realtime.config import config_from_dict
 from realtime.halfband import DELAY_SAMPLES, Downsampler, Upsampler
@@ -405,20 +405,12 @@ def test_telephony_config_errors_name_the_key(data, key):
 
 @pytest.fixture(scope="module")
 def gateway(loop_thread, tiny_model):
-    from engine.service import Engine, EngineServiceConfig
-    from realtime.server import Gateway
-
-    eng = loop_thread.run(Engine.start(EngineServiceConfig(model=str(tiny_model), capacity_override=CAPACITY, warmup=False)))
-    cfg = config_from_dict({
+    with running_gateway(loop_thread, tiny_model, CAPACITY, {
         "server": {"port": 0, "token": TOKEN},
         "session": {"max_response_ms": MAX_RESPONSE_MS, "temperature": 0.0},
         "telephony": {"twilio_auth_token": TWILIO_AUTH_TOKEN, "end_call_digit": "#", "start_timeout_s": 2.0},
-    })
-    gw = Gateway(eng, cfg)
-    loop_thread.run(gw.start())
-    yield gw
-    loop_thread.run(gw.stop())
-    loop_thread.run(eng.shutdown())
+    }) as gw:
+        yield gw
 
 
 def run(coro, timeout: float = 240):

@@ -16,10 +16,9 @@ import urllib.request
 
 import numpy as np
 import pytest
-from rt_helpers import silence
+from rt_helpers import running_gateway, silence
 
 from engine.service_api import Role
-from realtime.config import config_from_dict
 
 pytestmark = pytest.mark.vllm
 
@@ -29,20 +28,12 @@ CAPACITY = 2
 
 @pytest.fixture(scope="module")
 def gateway(loop_thread, tiny_model):
-    from engine.service import Engine, EngineServiceConfig
-    from realtime.server import Gateway
-
-    eng = loop_thread.run(Engine.start(EngineServiceConfig(model=str(tiny_model), capacity_override=CAPACITY, warmup=False)))
-    cfg = config_from_dict({
+    with running_gateway(loop_thread, tiny_model, CAPACITY, {
         "server": {"port": 0, "token": TOKEN},
         "vad": {"silence_duration_ms": 400},
         "session": {"max_response_ms": 6000.0, "temperature": 0.0},
-    })
-    gw = Gateway(eng, cfg)
-    loop_thread.run(gw.start())
-    yield gw
-    loop_thread.run(gw.stop())
-    loop_thread.run(eng.shutdown())
+    }) as gw:
+        yield gw
 
 
 def run(coro, timeout: float = 180):
