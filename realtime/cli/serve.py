@@ -61,7 +61,7 @@ async def _serve(cfg: ServerConfig, ecfg) -> int:
     from engine.service import Engine
     from realtime.server import Gateway
 
-    token = cfg.server.token or secrets.token_urlsafe(18)
+    token = cfg.server.token or secrets.token_hex(16)  # hex: never starts with "-", so it pastes into --token
     log.info("starting the engine (model: %s)...", ecfg.model or "tiny default")
     engine = await Engine.start(ecfg)
     gw = Gateway(engine, cfg, token=token)

@@ -93,7 +93,7 @@ class ServerProcess:
         self.dir = Path(tempfile.mkdtemp(prefix="duplex-soak-"))
         (self.dir / "server.yaml").write_text(yaml.safe_dump(config))
         duplex = Path(sys.executable).parent / "duplex"
-        self.proc = subprocess.Popen([str(duplex), "serve", "--config", str(self.dir / "server.yaml"), "--port", "0", "--token", token],
+        self.proc = subprocess.Popen([str(duplex), "serve", "--config", str(self.dir / "server.yaml"), "--port", "0", f"--token={token}"],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log_path = self.dir / "server.log"
         self.base: str | None = None
