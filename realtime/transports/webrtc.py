@@ -296,6 +296,7 @@ async def handle_offer(gw: Gateway, req: HttpRequest) -> HttpReply:
     gw.webrtc_peers.add(pc)
     link = DataChannelLink(pc)
     runner = SessionRunner(gw, link, proto, conv, "webrtc")
+    gw.sessions[session_id] = runner  # counted against limits.max_sessions while its data channel opens
     inputs: list[asyncio.Task] = []
     mic = MicCounts()
 
@@ -323,6 +324,7 @@ async def handle_offer(gw: Gateway, req: HttpRequest) -> HttpReply:
         log.info("session %s: bad offer: %s", session_id, e)
         await pc.close()
         gw.webrtc_peers.discard(pc)
+        gw.sessions.pop(session_id, None)
         await conv.close()
         return _error(HTTPStatus.BAD_REQUEST, "invalid_offer", f"the SDP offer could not be used: {e}")
 
