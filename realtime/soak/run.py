@@ -112,7 +112,10 @@ class ServerProcess:
         threading.Thread(target=pump, daemon=True).start()
         if not ready.wait(300) or self.base is None:
             self.stop()
-            raise SystemExit(f"soak: duplex serve did not start (log: {self.log_path})")
+            raise RuntimeError(f"duplex serve did not start (log: {self.log_path}):\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "".join(self.log_path.read_text().splitlines(keepends=True)[-lines:])
 
     @property
     def pid(self) -> int:
@@ -273,11 +276,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    if args.faults:
-        from realtime.soak.faults import run_faults
+    try:
+        if args.faults:
+            from realtime.soak.faults import run_faults
 
-        path = asyncio.run(run_faults(Path(args.out), args.seed))
-    else:
-        path = asyncio.run(run_soak(config_from_args(args)))
+            path = asyncio.run(run_faults(Path(args.out), args.seed))
+        else:
+            path = asyncio.run(run_soak(config_from_args(args)))
+    except RuntimeError as e:
+        raise SystemExit(f"soak: {e}") from None
     print(path)
     return 0

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 import wave
@@ -20,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rt_helpers import silence
+
+from realtime.soak.run import ServerProcess
 
 pytestmark = pytest.mark.vllm
 
@@ -37,33 +36,8 @@ def _write_wav(path: Path, pcm48: np.ndarray) -> Path:
     return path
 
 
-class Server:
-    """`duplex serve` in a subprocess; its printed URL tells the port."""
-
-    def __init__(self, tmp: Path, config: dict) -> None:
-        import yaml
-
-        cfg = tmp / "server.yaml"
-        cfg.write_text(yaml.safe_dump(config))
-        duplex = Path(sys.executable).parent / "duplex"
-        self.proc = subprocess.Popen([str(duplex), "serve", "--config", str(cfg), "--port", "0", "--token", TOKEN],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        self.base: str | None = None
-        ready = threading.Event()
-
-        def pump() -> None:
-            for line in self.proc.stdout:
-                self.log.append(line)
-                if "demo page:" in line:
-                    self.base = line.split("demo page:")[1].strip().split("/?")[0]
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(240) or self.base is None:
-            self.stop()
-            raise RuntimeError("duplex serve did not start:\n" + "".join(self.log[-40:]))
+class Server(ServerProcess):
+    """`duplex serve` in a subprocess (the soak's), with what the page tests ask of it."""
 
     def health(self) -> dict:
         with urllib.request.urlopen(self.base + "/healthz", timeout=5) as r:
@@ -75,30 +49,19 @@ class Server:
             time.sleep(0.2)
         return got
 
-    def stop(self) -> None:
-        self.proc.terminate()  # SIGTERM: a clean shutdown exits 0 within a few seconds
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            if os.environ.get("DUPLEX_PYSPY"):
-                subprocess.run(["py-spy", "dump", "--pid", str(self.proc.pid)], check=False)
-            self.proc.kill()
-            self.proc.wait()
-
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model):
+def server(tiny_model):
     if not Path(CHROMIUM).exists():
         pytest.skip("Debian's chromium is not installed (apt-get install chromium); needed for the page tests")
     pytest.importorskip("playwright", reason="the playwright package is needed for the page tests (pip install playwright)")
-    srv = Server(tmp_path_factory.mktemp("serve"), {
+    srv = Server({
         "limits": {"max_sessions": 1},
         "vad": {"silence_duration_ms": 400},
         "session": {"max_response_ms": 3000.0, "temperature": 0.0},
-    })
+    }, TOKEN)
     yield srv
-    srv.stop()
-    assert srv.proc.returncode == 0, "".join(srv.log[-40:])
+    assert srv.stop() == 0, srv.log_tail()  # SIGTERM: a clean shutdown exits 0
 
 
 @pytest.fixture
