@@ -49,6 +49,7 @@ class AudioSection:
     output_frame_ms: int = 40  # pcm16/G.711 delta size (Opus is always 20 ms)
     opus_bitrate: int = 24_000
     opus_complexity: int = 5
+    vad_batch_ms: float = 30.0  # Silero windows of all sessions run as one batch, waiting at most this long; 0: each packet at once
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ def validate(cfg: ServerConfig) -> None:
         ("audio.lead_ms", 0 <= cfg.audio.lead_ms <= 2000),
         ("audio.output_frame_ms", cfg.audio.output_frame_ms in (10, 20, 40, 60, 80, 100)),
         ("audio.opus_complexity", 0 <= cfg.audio.opus_complexity <= 10),
+        ("audio.vad_batch_ms", 0 <= cfg.audio.vad_batch_ms <= 200),
         ("vad.threshold", 0.0 <= cfg.vad.threshold <= 1.0),
         ("vad.silence_duration_ms", 0 <= cfg.vad.silence_duration_ms <= 10_000),
         ("vad.prefix_padding_ms", 0 <= cfg.vad.prefix_padding_ms <= 10_000),

@@ -47,6 +47,8 @@ CLOSE_GOING_AWAY = 1001
 CLOSE_SLOW_CLIENT = 1008
 CLOSE_TRY_AGAIN = 1013
 
+_OBSERVE_FRAMES_S = 0.25
+
 
 class Link(Protocol):
     """A transport's message channel. A link of a resumable session also has `lost() -> bool`: after
@@ -110,6 +112,8 @@ class SessionRunner:
         self._last_response: asyncio.Task | None = None
         self._started = time.monotonic()
         self._last_client = self._started
+        self._vad_submitted = False  # the session's VAD stream waits in the gateway's batcher
+        self._observed_at = self._started
 
     async def run(self) -> None:
         self.task = asyncio.current_task()
@@ -119,6 +123,7 @@ class SessionRunner:
         try:
             await self._session_loop()
         finally:
+            self._observe(time.monotonic(), force=True)
             if self._reader_task is not None:
                 self._reader_task.cancel()
             for t in self._responses.values():
@@ -168,6 +173,14 @@ class SessionRunner:
             self.closing = (CLOSE_GOING_AWAY, message)
             if self.task:
                 self.task.cancel()
+
+    def _vad_ran(self) -> None:
+        """The batcher ran this session's VAD windows: settle its waiting audio in the loop."""
+        self._vad_submitted = False
+        try:
+            self.inbound.put_nowait(("vad",))
+        except asyncio.QueueFull:
+            pass  # the loop is busy; it submits the stream again and settles after the next tick
 
     def push_audio(self, pcm: np.ndarray) -> bool:
         """Transport audio (int16, 16 kHz) for the session; False when the inbound queue is full (frame dropped)."""
@@ -266,29 +279,57 @@ class SessionRunner:
             now = time.monotonic()
             idle_at = self._last_client + lim.idle_timeout_s if self._detached_at is None else self._detached_at + lim.resume_grace_s
             wake = min(next_due if next_due is not None else idle_at, idle_at)
-            try:
-                item = await asyncio.wait_for(self.inbound.get(), max(0.0, wake - now)) if wake > now else self.inbound.get_nowait()
-            except (asyncio.TimeoutError, asyncio.QueueEmpty):
-                item = None
+            items = await self._next_items(wake, now)
             now = time.monotonic()
-            if item is not None:
+            for item in items:
                 if item[0] == "closed" and item[1] is self.link and not self._on_link_closed(item[1], now):
                     return
                 self._handle(item, now)
+                self.proto.send_session_events(self.session.events())  # keeps events and errors in input order
+                if self.closing is not None or self.proto.closing is not None:
+                    break  # the rest is not for a session that is ending
+            if items:
+                pass  # input arrived: the timeouts below cannot have expired
             elif self._detached_at is not None and now >= idle_at:
                 log.info("session %s: not resumed within %.0f s", self.id, lim.resume_grace_s)
                 self.closing = (CLOSE_GOING_AWAY, "not resumed in time")
                 return
             elif now >= idle_at and (self.session.response is None or self.session.response.status.finished):
                 self._close_with_error("idle_timeout", f"no client event for {lim.idle_timeout_s:.0f} s", CLOSE_NORMAL)
+            if self.session.vad_pending and not self._vad_submitted:
+                self.session.settle_vad(run=False)  # audio that completes no window needs no model call
+                if self.session.vad_pending:
+                    self._vad_submitted = True
+                    self.gw.vad.submit(self.session.vad_stream(), self._vad_ran)
             # While detached nothing is paced out: undelivered audio is not played; pacing resumes on attach.
             next_due = self.session.poll_audio(now) if self.link is not None else None
             self.proto.send_session_events(self.session.events())
             self._run_commands()
             self._flush()
-            self._observe()
+            self._observe(now)
             if self.proto.closing is not None and self.closing is None:
                 self.closing = self.proto.closing
+
+    async def _next_items(self, wake: float, now: float) -> list[tuple]:
+        """Everything queued by `wake` (at least one item unless the deadline passed), oldest first.
+
+        Handling all queued items before the loop's per-wake work (pacing, events, engine commands,
+        metrics) makes that work once per wake-up instead of once per audio packet. `asyncio.timeout_at`
+        instead of `wait_for`: no task per wait.
+        """
+        q = self.inbound
+        if q.empty() and wake > now:
+            try:
+                async with asyncio.timeout_at(wake):
+                    first = await q.get()
+            except TimeoutError:
+                return []
+            items = [first]
+        else:
+            items = []
+        while not q.empty():
+            items.append(q.get_nowait())
+        return items
 
     def _handle(self, item: tuple, now: float) -> None:
         kind = item[0]
@@ -307,6 +348,8 @@ class SessionRunner:
             _, rid, exc = item
             self.session.receive_engine_error(rid, now)
             self.proto.error(getattr(exc, "code", "engine_error"), f"the engine failed this response: {exc}")
+        elif kind == "vad":
+            self.session.settle_vad(run=False)  # audio that came after the batch waits for the next one
         elif kind == "shutdown":
             self._close_with_error(item[1], item[2], CLOSE_GOING_AWAY)
         elif kind == "attach":
@@ -362,10 +405,17 @@ class SessionRunner:
         self._flush()
         self.closing = self.closing or (close_code, message[:120])
 
-    def _observe(self) -> None:
-        st = self.session.stats
-        self.gw.metrics.add_stats_delta(st, self._stats)
+    def _observe(self, now: float, force: bool = False) -> None:
+        """Count the session's new figures in the gateway's metrics. Input frames change with every
+        packet, so alone they are counted at most every `_OBSERVE_FRAMES_S` (and at the end)."""
+        st, seen = self.session.stats, self._stats
+        if (st.barge_ins, st.underruns_reported, st.chunks_late, len(st.ttfa_ms)) == (
+                seen.barge_ins, seen.underruns_reported, seen.chunks_late, len(seen.ttfa_ms)):
+            if st.input_frames == seen.input_frames or (not force and now - self._observed_at < _OBSERVE_FRAMES_S):
+                return
+        self.gw.metrics.add_stats_delta(st, seen)
         self._stats = dataclasses.replace(st, ttfa_ms=list(st.ttfa_ms))
+        self._observed_at = now
 
     def log_end(self) -> None:
         st = self.session.stats

@@ -40,6 +40,7 @@ from realtime.protocol import SessionSettings
 from realtime.runner import SessionRunner
 from realtime.session import Session, SessionLimits
 from realtime.vad import VadParams
+from realtime.vad_batch import VadBatcher
 
 log = logging.getLogger("duplex.gateway")
 
@@ -98,6 +99,7 @@ class Gateway:
         self.config = config
         self.token = token if token is not None else config.server.token
         self.metrics = GatewayMetrics()
+        self.vad = VadBatcher(config.audio.vad_batch_ms) if config.audio.vad_batch_ms > 0 else None
         self.sessions: dict[str, SessionRunner] = {}
         self.ws_routes: dict[str, WsRoute] = {}
         self.http_routes: dict[str, HttpRoute] = {}
@@ -146,7 +148,7 @@ class Gateway:
                     lead_ms: float | None = None) -> Session:
         a = self.config.audio
         limits = SessionLimits(output_frame_ms or a.output_frame_ms, a.lead_ms if lead_ms is None else lead_ms, self.config.limits.max_turn_ms)
-        return Session(session_id, default_vad(self.config) if vad == "default" else vad, limits)
+        return Session(session_id, default_vad(self.config) if vad == "default" else vad, limits, vad_deferred=self.vad is not None)
 
     def open_conversation(self, session_id: str, options: ConversationOptions):
         """The engine conversation of a new session; AtCapacity (counted) when the gateway or the engine is full."""

@@ -26,7 +26,7 @@ from enum import IntEnum
 import numpy as np
 
 from realtime.pacing import Pacer
-from realtime.vad import ServerVad, SileroVad, VadParams
+from realtime.vad import ServerVad, SileroVad, VadParams, run_silero
 
 RATE_HZ = 16_000
 
@@ -200,8 +200,13 @@ def new_id(prefix: str) -> str:
 
 
 class Session:
-    def __init__(self, session_id: str | None = None, vad: VadParams | None = VadParams(), limits: SessionLimits | None = None) -> None:
+    def __init__(self, session_id: str | None = None, vad: VadParams | None = VadParams(), limits: SessionLimits | None = None,
+                 vad_deferred: bool = False) -> None:
+        """`vad_deferred`: user audio waits for its speech probabilities until `settle_vad()` (the shell
+        runs many sessions' VAD windows as one batch, then settles each); else they are computed at once."""
         self.id = session_id or new_id("sess")
+        self.vad_deferred = vad_deferred
+        self._awaiting_vad: list[tuple[np.ndarray, float]] = []  # (pcm, arrival time), in order
         self.limits = limits or SessionLimits()
         self.vad_params = vad
         self.stats = SessionStats()
@@ -249,12 +254,29 @@ class Session:
     def vad_enabled(self) -> bool:
         return self.vad_params is not None
 
-    def vad_model(self) -> SileroVad | None:
-        """The stream's Silero state, for a shell that runs `process()` off the event loop."""
+    def vad_stream(self) -> SileroVad | None:
+        """The stream's Silero state, for a shell that batches `run_silero` over many sessions."""
         return self._silero
+
+    @property
+    def vad_pending(self) -> bool:
+        """User audio is waiting for its speech probabilities (deferred VAD): `settle_vad()` is due."""
+        return bool(self._awaiting_vad)
+
+    def settle_vad(self, run: bool = True) -> None:
+        """Process the waiting audio, in arrival order: all of it, running what is left of its VAD
+        windows here; or with `run=False` (after a batch ran them) only audio whose windows were run."""
+        if not self._awaiting_vad:
+            return
+        if run:
+            run_silero([self._silero])
+        while self._awaiting_vad and self._silero.can_take(self._awaiting_vad[0][0].size):
+            pcm, arrived = self._awaiting_vad.pop(0)
+            self._receive_speech_audio(pcm, arrived, self._silero.take(pcm.size))
 
     # ---- configuration ----
     def set_turn_detection(self, vad: VadParams | None) -> None:
+        self.settle_vad()
         if vad is not None:
             vad.validate()
         self.vad_params = vad
@@ -270,12 +292,11 @@ class Session:
             self._vad.params = vad
 
     # ---- user audio ----
-    def receive_audio(self, pcm: np.ndarray, now: float, probs: list[float] | None = None) -> None:
-        """User audio (int16, 16 kHz). `probs`: Silero output for exactly this audio, if computed elsewhere."""
+    def receive_audio(self, pcm: np.ndarray, now: float) -> None:
+        """User audio (int16, 16 kHz)."""
         self.stats.input_frames += 1
         if pcm.size == 0:
             return
-        chunk_end_ms = 1000.0 * (self._input_samples + pcm.size) / RATE_HZ
         if self._vad is None:
             if 1000.0 * (self._turn_samples + pcm.size) / RATE_HZ > self.limits.max_turn_ms:
                 raise SessionError("input_audio_buffer_full", f"the input buffer holds at most {self.limits.max_turn_ms:.0f} ms; commit or clear it")
@@ -283,8 +304,15 @@ class Session:
             self._turn_samples += pcm.size
             self._input_samples += pcm.size
             return
-        if probs is None:
-            probs = self._silero.process(pcm)
+        if self.vad_deferred:
+            self._silero.feed(pcm)
+            self._awaiting_vad.append((pcm, now))
+            return
+        self._receive_speech_audio(pcm, now, self._silero.process(pcm))
+
+    def _receive_speech_audio(self, pcm: np.ndarray, now: float, probs: list[float]) -> None:
+        """Server-VAD mode: user audio with the speech probabilities of the windows it completed."""
+        chunk_end_ms = 1000.0 * (self._input_samples + pcm.size) / RATE_HZ
         was_speaking = self._vad.speaking
         self._input_samples += pcm.size
         if was_speaking:
@@ -298,6 +326,7 @@ class Session:
                 self._on_speech_stopped(ev.audio_ms, now, lag_ms=chunk_end_ms - ev.audio_ms)
 
     def receive_commit(self, now: float) -> None:
+        self.settle_vad()
         if self._vad is not None and self._vad.speaking:
             self._vad.reset(self.input_ms)
             self._commit(now)
@@ -313,6 +342,7 @@ class Session:
         raise SessionError("input_audio_buffer_commit_empty", "no speech in the input buffer to commit (server_vad commits turns itself)")
 
     def receive_clear(self) -> None:
+        self.settle_vad()
         self._turn, self._turn_samples = [], 0
         self._recent.clear()
         self._recent_samples = 0
@@ -366,6 +396,7 @@ class Session:
 
     # ---- responses ----
     def receive_response_create(self, now: float) -> str:
+        self.settle_vad()
         if self.response is not None and not self.response.status.finished:
             raise SessionError("conversation_already_has_active_response", f"response {self.response.id} is still in progress")
         r = Response(id=new_id("resp"), item_id=new_id("item"), epoch=self._epoch)

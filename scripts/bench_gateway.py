@@ -147,6 +147,8 @@ async def serve_and_measure(args) -> None:
     per = cpu / wall / args.sessions
     print(f"format={args.format} sessions={args.sessions} wall={wall:.1f}s gateway_cpu={cpu:.2f}s "
           f"responses={sum(s['responses'] for s in stats)} audio_msgs={sum(s['deltas'] + s['binary'] for s in stats)}")
+    if gw.vad is not None and gw.vad.calls:
+        print(f"vad: {gw.vad.windows} windows in {gw.vad.calls} batched calls ({gw.vad.windows / gw.vad.calls:.1f} per call, {gw.vad.ticks} ticks)")
     print(f"gateway CPU per session: {100 * per:.2f}% of one core (goal <= 2%)")
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 
 from realtime.pacing import Pacer
-from realtime.vad import WINDOW_MS, ServerVad, SileroVad, VadParams
+from realtime.session import Session
+from realtime.vad import WINDOW_MS, ServerVad, SileroVad, VadParams, run_silero
+from realtime.vad_batch import VadBatcher
 
 from rt_helpers import silence
 
@@ -57,3 +62,131 @@ def test_pacer_absolute_schedule_with_lead_and_reanchor():
     p.on_sent(320, t0 + 3.0)  # the source was 2 s late: re-anchor instead of bursting
     assert p.reanchors == 1
     assert p.due(t0 + 3.0) == pytest.approx(t0 + 3.0 + 0.02 - 0.1)
+
+
+def test_batched_silero_equals_each_stream_alone(speech):
+    """Rows of one batched call are independent: each stream gets what it gets alone, whatever it is batched with."""
+    sources = [
+        np.concatenate([silence(300, 16_000), speech("hello there", 16_000), silence(600, 16_000)]),
+        np.concatenate([speech("how are you today", 16_000), silence(400, 16_000)]),
+        silence(900, 16_000),
+    ]
+    alone = []
+    for pcm in sources:
+        vad = SileroVad()
+        alone.append(vad.process(pcm))
+    streams = [SileroVad() for _ in sources]
+    got = [[] for _ in sources]
+    pieces = [[], [], []]
+    steps = [320, 480, 160]  # ragged packet sizes: windows straddle packets differently per stream
+    for k, (pcm, step) in enumerate(zip(sources, steps)):
+        pieces[k] = [pcm[i : i + step] for i in range(0, pcm.size, step)]
+    for tick in range(max(map(len, pieces))):
+        fed = [[] for _ in sources]
+        for k in range(len(sources)):
+            for piece in pieces[k][tick * 2 : tick * 2 + 2]:  # two packets per tick, like a 40 ms tick
+                streams[k].feed(piece)
+                fed[k].append(piece.size)
+        calls = run_silero(streams)
+        assert calls <= 2  # one call per window round, all streams as rows
+        for k, sizes in enumerate(fed):
+            for n in sizes:
+                assert streams[k].can_take(n)
+                got[k] += streams[k].take(n)
+    for k in range(len(sources)):
+        assert len(got[k]) == len(alone[k]) == sources[k].size // 512
+        np.testing.assert_allclose(got[k], alone[k], atol=1e-5)
+
+
+def test_take_refuses_audio_whose_windows_were_not_run():
+    vad = SileroVad()
+    vad.feed(np.zeros(600, np.int16))
+    assert vad.windows_pending == 1
+    assert vad.can_take(100) and vad.take(100) == []  # completes no window: nothing to run
+    assert not vad.can_take(500)
+    with pytest.raises(RuntimeError, match="not been run"):
+        vad.take(500)
+    run_silero([vad])
+    assert len(vad.take(500)) == 1
+
+
+def test_deferred_session_gives_the_same_turn_as_inline(speech):
+    """A session whose VAD waits for a batch produces exactly the events and engine commands of one
+    that runs Silero per packet; only when they come differs, and their times are the audio's arrival."""
+    pcm = np.concatenate([silence(400, 16_000), speech("hello there, how are you", 16_000), silence(900, 16_000)])
+    inline, deferred = Session(), Session(vad_deferred=True)
+    out = {"inline": [], "deferred": []}
+    for i, start in enumerate(range(0, pcm.size, 320)):
+        piece, now = pcm[start : start + 320], 100.0 + 0.02 * i
+        inline.receive_audio(piece, now)
+        deferred.receive_audio(piece, now)
+        if i % 3 == 2:  # a batch every 60 ms
+            deferred.settle_vad(run=False)  # nothing was run: only audio that completes no window settles
+            run_silero([deferred.vad_stream()])
+            deferred.settle_vad(run=False)
+        for name, s in (("inline", inline), ("deferred", deferred)):
+            out[name] += [_describe(x) for x in s.events() + s.commands()]
+    deferred.settle_vad()
+    out["deferred"] += [_describe(x) for x in deferred.events() + deferred.commands()]
+    kinds = [d[0] for d in out["inline"]]
+    assert "SpeechStarted" in kinds and "SpeechStopped" in kinds and "StartResponse" in kinds
+    assert out["deferred"] == out["inline"]
+    assert sum(d[0] == "PushAudio" for d in out["inline"]) > 10
+    assert not deferred.vad_pending
+
+
+def test_deferred_session_settles_before_a_commit(speech):
+    """A client commit (or clear, or session.update) processes the audio that waits for the VAD first."""
+    s = Session(vad_deferred=True)
+    s.receive_audio(np.concatenate([speech("hello there", 16_000), silence(100, 16_000)]), 1.0)
+    assert s.vad_pending and s.input_ms == 0
+    s.receive_commit(2.0)
+    assert not s.vad_pending and s.input_ms > 1000
+
+
+def _describe(x) -> tuple:
+    fields = {k: (v.size if isinstance(v, np.ndarray) else v) for k, v in vars(x).items() if not k.endswith("_id") and k != "item_id"}
+    return (type(x).__name__, tuple(sorted(fields.items())))
+
+
+def test_vad_batcher_waits_for_every_active_stream_or_its_period():
+    async def main():
+        batcher = VadBatcher(period_ms=150)
+        streams = [SileroVad() for _ in range(3)]
+        done: list[int] = []
+
+        def submit(k: int) -> None:
+            streams[k].feed(np.zeros(512, np.int16))
+            batcher.submit(streams[k], lambda: done.append(k))
+
+        async def wait_done(n: int) -> float:
+            t0 = time.monotonic()
+            while len(done) < n:
+                await asyncio.sleep(0.002)
+            return time.monotonic() - t0
+
+        submit(0)  # alone: run at once, not after the period
+        assert await wait_done(1) < 0.05
+        for k in range(3):
+            submit(k)
+        await wait_done(4)
+        # all three are active now: a tick waits until each has submitted again
+        done.clear()
+        calls = batcher.calls
+        submit(0)
+        submit(1)
+        await asyncio.sleep(0.05)
+        assert done == []
+        submit(2)
+        assert await wait_done(3) < 0.05
+        assert sorted(done) == [0, 1, 2] and batcher.calls == calls + 1  # one call, three rows
+        # streams that stop sending: the period bounds the wait, then they are no longer waited for
+        await asyncio.sleep(0.12)
+        done.clear()
+        submit(0)
+        assert 0.1 < await wait_done(1) < 0.4
+        submit(0)
+        assert await wait_done(2) < 0.05
+        assert all(s.windows_pending == 0 for s in streams)
+
+    asyncio.run(main())
