@@ -204,6 +204,10 @@ class InputDecoder:
             pcm = alaw_decode(payload)
         return self._resampler.process(pcm)
 
+    def flush(self) -> np.ndarray:
+        """What the resampler still holds of the audio decoded so far (a turn ends: it belongs to it)."""
+        return np.zeros(0, np.int16) if self._resampler is None else self._resampler.flush()
+
 
 class OutputEncoder:
     """int16 PCM at 16 kHz -> whole wire frames of `frame_ms` (Opus: always 20 ms)."""

@@ -221,6 +221,10 @@ class RealtimeProtocol:
         self.session.receive_audio(pcm, now)
 
     def _on_commit(self, ev: dict, now: float) -> None:
+        if not self.session.vad_enabled:  # the client ends the turn: its last milliseconds are in it
+            tail = self._decoder.flush()
+            if tail.size:
+                self.session.receive_audio(tail, now, client_frame=False)
         self.session.receive_commit(now)
 
     def _on_clear(self, ev: dict, now: float) -> None:

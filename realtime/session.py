@@ -292,9 +292,10 @@ class Session:
             self._vad.params = vad
 
     # ---- user audio ----
-    def receive_audio(self, pcm: np.ndarray, now: float) -> None:
-        """User audio (int16, 16 kHz)."""
-        self.stats.input_frames += 1
+    def receive_audio(self, pcm: np.ndarray, now: float, client_frame: bool = True) -> None:
+        """User audio (int16, 16 kHz); `client_frame=False`: audio that is not one of the client's frames
+        (a resampler's tail), not counted in `stats.input_frames`."""
+        self.stats.input_frames += client_frame
         if pcm.size == 0:
             return
         if self._vad is None:

@@ -238,3 +238,14 @@ def test_opus_output_is_binary_with_epoch_header():
     assert len(frames) == 10 and all(f[0] == 1 and f[1:5] == b"\x00\x00\x00\x00" for f in frames)
     assert not any(e["type"] == "response.output_audio.delta" for e in c.sent if isinstance(e, dict))
     assert c.types()[-1] == "response.done"
+
+
+def test_a_manual_commit_holds_every_sample_the_client_sent():
+    """24 kHz pcm16 in, 16 kHz to the engine: the resampler's tail belongs to the committed turn, not the next."""
+    c = Client(vad=None)
+    sent = (1000 * np.random.default_rng(1).standard_normal(24 * 990)).astype(np.int16)  # 990 ms in 20 ms appends (+ a short last one)
+    c.append_pcm24(sent)
+    c.send({"type": "input_audio_buffer.commit"})
+    pushed = sum(x.pcm.size for x in c.commands if isinstance(x, PushAudio))
+    assert pushed == 16 * 990
+    assert c.session.stats.input_frames == 50  # client frames only; the tail is not one
