@@ -47,3 +47,91 @@ def test_realtime_request_stays_a_bounded_lead_ahead_of_playback(vllm_engine, lo
     # ...so 3 s of audio take at least 3 s minus the lead (a busy machine only makes it slower;
     # without pacing the tiny model finishes in well under a second on an idle one)
     assert paced_s >= frames * 0.020 - lead_s - 0.1, paced_s
+
+
+def _scheduler_with_clock(tiny_model, token_budget: int):
+    """The real OpusScheduler (over vLLM's Scheduler) in this process, on a clock the test moves.
+
+    No model runs: each step's output is one token for every request whose prompt is complete. The
+    per-step token budget is what an overloaded engine cannot stretch; the clock is how slow it is.
+    """
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from engine.async_engine import EngineConfig, _set_vllm_env, engine_args
+    from engine.vllm_plugin import register, scheduler
+
+    cfg = EngineConfig(model=str(tiny_model), max_num_seqs=4, enable_prefix_caching=False)
+    _set_vllm_env(cfg)
+    register()
+    args = engine_args(cfg)
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+    vc = EngineArgs(**{**kw, "max_num_scheduled_tokens": token_budget}).create_engine_config()
+    vc.cache_config.num_gpu_blocks = 256
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=256, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    clock = SimpleNamespace(t=1000.0)
+    real_time = scheduler.time
+    scheduler.time = SimpleNamespace(monotonic=lambda: clock.t)
+    try:
+        s = scheduler.OpusScheduler(vc, kv, StructuredOutputManager(vc), block_size=32)
+    except Exception:
+        scheduler.time = real_time
+        raise
+    return s, clock, lambda: setattr(scheduler, "time", real_time)
+
+
+@pytest.mark.vllm
+def test_overload_serves_the_tightest_deadline_first(tiny_model) -> None:
+    """Three realtime answers, a budget of two tokens a step. While the engine is fast, answers ahead
+    of playback sit out (which lets the third one in); once it is slower than real time (a slowed
+    clock), every step serves the two with the least slack, so all three fall behind evenly instead
+    of two running on time and one starving (vLLM's own order)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from engine.async_engine import sampling_params
+
+    s, clock, restore = _scheduler_with_clock(tiny_model, token_budget=2)
+    try:
+        for i in range(3):
+            req = AudioRequest(synthetic_prompt(i, 3), 400, 400, GREEDY, realtime=True)
+            s.add_request(Request(f"r{i}", [int(t) for t in req.prompt[:, 0]], sampling_params(req), None))
+
+        def step(dt: float) -> dict[str, int]:
+            clock.t += dt
+            out = s.schedule()
+            ids = list(out.num_scheduled_tokens)
+            done = [s.requests[r].num_computed_tokens + out.num_scheduled_tokens[r] >= s.requests[r].num_prompt_tokens for r in ids]
+            s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                        sampled_token_ids=[[300] if d else [] for d in done]))
+            return dict(out.num_scheduled_tokens)
+
+        # a fast engine (2 ms a step): answers get ahead, are held, and the third one is admitted
+        for _ in range(300):
+            step(0.002)
+        reqs = [s.requests[f"r{i}"] for i in range(3)]
+        assert all(r.num_output_tokens > 14 for r in reqs), [r.num_output_tokens for r in reqs]
+        assert all(s.slack_s(r, clock.t) > 0 for r in reqs)
+
+        # a slow engine (30 ms a step for 2 tokens: 67 tokens/s against the 150 three answers need)
+        start = [r.num_output_tokens for r in reqs]
+        served_late = 0
+        for _ in range(200):
+            slack = {r.request_id: s.slack_s(r, clock.t + 0.030) for r in reqs}
+            scheduled = step(0.030)
+            assert len(scheduled) == 2
+            left_out = [rid for rid in slack if rid not in scheduled]
+            # nobody was served while someone closer to (or past) their deadline waited
+            assert max(slack[r] for r in scheduled) <= min(slack[r] for r in left_out)
+            served_late += min(slack.values()) < 0
+        gained = [r.num_output_tokens - g for r, g in zip(reqs, start)]
+        assert served_late > 100  # the overload was real: answers were behind their playback
+        assert sum(gained) == 400 and max(gained) - min(gained) <= 2, gained
+    finally:
+        restore()
