@@ -331,11 +331,13 @@ class Engine:
         from engine.codec.stage import CodecStage
         from engine.codec.streaming import StreamConfig
         from engine.codec.tokenizer import AudioTokenizer
+        from engine.model_source import resolve_model
         from engine.tiny import ensure_tiny
 
         cfg = self.config
         loop = asyncio.get_running_loop()
-        model = Path(cfg.model) if cfg.model else await loop.run_in_executor(None, ensure_tiny)
+        # a hub id may download: off the loop
+        model = await loop.run_in_executor(None, resolve_model, cfg.model) if cfg.model else await loop.run_in_executor(None, ensure_tiny)
         self.model_dir = model
 
         def load_audio():

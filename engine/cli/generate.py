@@ -25,7 +25,7 @@ FRAME_PAD = -1
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate audio codes offline (vLLM or the reference)")
-    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the tiny model)")
+    p.add_argument("--model", default=None, help="checkpoint dir or hub id owner/name[@rev] (default: the tiny model)")
     p.add_argument("--engine", choices=("vllm", "reference"), default="vllm")
     p.add_argument("--requests", type=int, default=1, help="number of concurrent requests")
     p.add_argument("--prompt-frames", type=int, default=50, help="typical prompt length in frames")
@@ -104,9 +104,10 @@ async def _run_vllm(model: Path, reqs: list[AudioRequest], max_num_seqs: int) ->
 
 def run(args: argparse.Namespace) -> int:
     from engine.checkpoint import load_config
+    from engine.model_source import resolve_model
     from engine.tiny import ensure_tiny
 
-    model = args.model if args.model is not None else ensure_tiny()
+    model = resolve_model(args.model) if args.model is not None else ensure_tiny()
     load_config(model)  # a clear error for a wrong directory, before starting anything
     reqs = build_requests(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ def register(subparsers) -> None:
     p.add_argument("--host", help="server.host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="server.port (default 8000; 0 = any free port)")
     p.add_argument("--token", help="server.token: bearer token clients must send (default: random, printed)")
-    p.add_argument("--model", help="engine.model: checkpoint directory (default: the cached tiny model)")
+    p.add_argument("--model", help="engine.model: checkpoint directory, or hub id owner/name[@rev] of one (default: the cached tiny model)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.set_defaults(func=run)
 

@@ -55,7 +55,7 @@ def test_generate_seeded_sampling_is_reproducible(tmp_path: Path, tiny_model: Pa
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model", "/nonexistent"], "config.json not found"),
+        (["--model", "/nonexistent"], "no such directory"),
         (["--requests", "0"], "--requests must be >= 1"),
         (["--frames", "0"], ">= 1"),
     ],
