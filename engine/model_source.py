@@ -38,7 +38,7 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> Path:
         path = snapshot_download(repo, revision=revision or None, cache_dir=str(cache_dir) if cache_dir else None)
     except Exception as e:  # offline and not cached, unknown repo, no network, gated repo
         raise ModelSourceError(
-            f"model {spec!r}: not a local directory, and the hub repo could not be fetched "
+            f"model {spec!r}: no such directory, and as a hub id it could not be fetched "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}). Download it first "
             f"(huggingface-cli download {repo}) or pass a converted directory"
         ) from None

@@ -59,6 +59,10 @@ class EngineServiceConfig:
     model: str | None = None  # checkpoint dir; None = the cached tiny model
     max_conversations: int = 16  # hard cap, whatever the measurements say
     max_num_seqs: int = 32
+    dtype: str = "float32"  # bfloat16 for the released models on a GPU
+    max_model_len: int | None = None  # None: the backbone's context
+    max_num_batched_tokens: int | None = None  # None: vLLM's default
+    enable_chunked_prefill: bool = True
     kv_cache_gib: float = 1.0
     kv_block_size: int = 32  # prefix-cache granularity (vLLM's CPU backend needs multiples of 32)
     enforce_eager: bool = True
@@ -359,6 +363,10 @@ class Engine:
             EngineConfig(
                 model=str(model),
                 max_num_seqs=cfg.max_num_seqs,
+                dtype=cfg.dtype,
+                max_model_len=cfg.max_model_len,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                enable_chunked_prefill=cfg.enable_chunked_prefill,
                 kv_cache_gib=cfg.kv_cache_gib,
                 block_size=cfg.kv_block_size,
                 pacing_lead_ms=cfg.pacing_lead_ms,

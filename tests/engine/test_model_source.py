@@ -45,7 +45,7 @@ def test_a_hub_id_serves_from_the_local_hf_cache_offline(tmp_path: Path, tiny_mo
 
     missing = duplex(*common, "--model", "acme/not-downloaded", "--out", str(tmp_path / "x.npy"), env=env)
     assert missing.returncode == 2
-    assert "acme/not-downloaded" in missing.stderr and "could not be fetched" in missing.stderr
+    assert "acme/not-downloaded" in missing.stderr and "as a hub id it could not be fetched" in missing.stderr
     assert "Traceback" not in missing.stderr
 
 
