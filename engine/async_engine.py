@@ -19,7 +19,7 @@ import numpy as np
 
 from engine import cfg, vocab
 from engine.checkpoint import load_config
-from engine.delay import FrameAssembler
+from engine.delay import segment_frames
 from engine.request import AudioRequest, Generation
 
 
@@ -160,17 +160,20 @@ class AsyncOpusEngine:
         num_steps = 0
         async for out in self._llm.generate(prompt, sampling_params(request), rid):
             comp = out.outputs[0]
-            toks = list(comp.token_ids)
+            toks = comp.token_ids
             aux = comp.sampling_mask.token_ids if comp.sampling_mask is not None else []
-            if len(aux) != len(toks) or any(len(a) != vocab.NUM_CODEBOOKS for a in aux):
+            try:
+                aux_arr = np.asarray(aux, dtype=np.int64).reshape(len(aux), vocab.NUM_CODEBOOKS)
+            except ValueError:  # ragged rows, or not 8 per row
+                aux_arr = np.empty((len(aux), 0), dtype=np.int64)
+            if aux_arr.shape != (len(toks), vocab.NUM_CODEBOOKS):
                 raise RuntimeError(
-                    f"request {rid}: {len(toks)} stream-0 tokens arrived with {len(aux)} aux rows; "
+                    f"request {rid}: {len(toks)} stream-0 tokens arrived with aux rows of shape {aux_arr.shape}; "
                     "the plugin's output path is broken (see engine/README.md)"
                 )
-            if toks:
-                steps = np.concatenate([np.asarray(toks, dtype=np.int64)[:, None], np.asarray(aux, dtype=np.int64)], axis=1)
-            else:
-                steps = np.empty((0, vocab.NUM_STREAMS), dtype=np.int64)
+            steps = np.empty((len(toks), vocab.NUM_STREAMS), dtype=np.int64)
+            steps[:, 0] = toks
+            steps[:, 1:] = aux_arr
             preempted = getattr(out.metrics, "num_preemptions", 0) if out.metrics is not None else 0
             timing = (out.kv_transfer_params or {}).get("opuslm_step") or {}
             yield StepChunk(
@@ -208,16 +211,15 @@ class AsyncOpusEngine:
 
     async def generate(self, request: AudioRequest, request_id: str | None = None) -> Generation:
         """Run a request to completion."""
-        assembler, preemptions, cached = FrameAssembler(), 0, 0
+        parts, preemptions, cached = [], 0, 0
         async for chunk in self.stream_steps(request, request_id):
-            for row in chunk.steps:
-                assembler.push(row)
+            parts.append(chunk.steps)
             preemptions = max(preemptions, chunk.num_preemptions)
             cached = max(cached, chunk.num_cached_tokens)
-        steps = np.stack(assembler.steps) if assembler.steps else np.empty((0, vocab.NUM_STREAMS), np.int64)
+        steps = np.concatenate(parts).astype(np.int64) if parts else np.empty((0, vocab.NUM_STREAMS), np.int64)
         return Generation(
-            steps=steps.astype(np.int64),
-            frames=assembler.frames(),
+            steps=steps,
+            frames=segment_frames(steps),
             num_preemptions=preemptions,
             num_cached_tokens=cached,
         )

@@ -54,6 +54,17 @@ def deinterleave(steps: np.ndarray) -> np.ndarray:
     return out
 
 
+def segment_frames(steps: np.ndarray) -> np.ndarray:
+    """The frames of generated steps [S, 9]: de-interleaved, cut at stream 0's EOS (what a
+    `FrameAssembler` fed the same steps has emitted, computed at once)."""
+    steps = _check_frames(steps)
+    if steps.shape[0] <= MAX_DELAY:
+        return np.empty((0, NUM_STREAMS), dtype=np.int64)
+    frames = deinterleave(steps.astype(np.int64, copy=False))
+    eos = np.flatnonzero(steps[:, 0] == vocab.SOS_EOS)
+    return frames[: eos[0]] if len(eos) else frames
+
+
 def _check_frames(a: np.ndarray) -> np.ndarray:
     a = np.asarray(a)
     if a.ndim != 2 or a.shape[1] != NUM_STREAMS:

@@ -59,19 +59,20 @@ def sample_rows(
     8 streams x 1024 codes per row, the full-width work would dominate the step on a CPU.
     """
     rows, width = logits.shape[0], logits.shape[-1]
-    best = logits.argmax(dim=-1)
     greedy = [c.greedy for c in configs]
     if rows == 0 or all(greedy):
-        return best
+        return logits.argmax(dim=-1)
     dev = logits.device
     bshape = (rows,) + (1,) * (logits.dim() - 1)
-    temps = torch.tensor([1.0 if c.greedy else c.temperature for c in configs], device=dev)
-    x = logits.float() / temps.view(bshape)
+    temps = torch.tensor([1.0 if c.greedy else c.temperature for c in configs], device=dev).view(bshape)
     top_ks = [0 if g else (c.top_k if 0 < c.top_k < width else 0) for c, g in zip(configs, greedy)]
     cand_idx = None
     if all(k for k, g in zip(top_ks, greedy) if not g):
-        cand, cand_idx = _top_candidates(x, top_ks)
+        # the top k do not depend on a positive temperature: select first, scale only the k
+        cand, cand_idx = _top_candidates(logits.float(), top_ks)
+        cand = cand / temps
     else:
+        x = logits.float() / temps
         for i, k in enumerate(top_ks):
             if k:
                 x[i] = x[i].masked_fill(x[i] < torch.topk(x[i], k, dim=-1).values[..., -1:], float("-inf"))
@@ -90,8 +91,10 @@ def sample_rows(
     drawn = race.argmax(dim=-1, keepdim=True)
     if cand_idx is not None:
         drawn = cand_idx.gather(-1, drawn)
+    if not any(greedy):
+        return drawn.squeeze(-1)
     greedy_t = torch.tensor(greedy, device=dev).view(bshape[:-1])
-    return torch.where(greedy_t, best, drawn.squeeze(-1))
+    return torch.where(greedy_t, logits.argmax(dim=-1), drawn.squeeze(-1))
 
 
 def _top_candidates(x: torch.Tensor, top_ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

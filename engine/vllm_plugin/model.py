@@ -163,9 +163,11 @@ class OpusLMForCausalLM(nn.Module):
         if len(pairs):
             sampled = rows[~np.isin(rows, pairs.shadow_rows)]
         src = sampled if rows_of is None else rows_of[sampled]
-        idx = torch.from_numpy(src).to(projected.device)
+        aux = heads.aux_logits(projected, self._head_bias)  # the DAC columns only, then the rows
+        if len(src) != aux.shape[0] or (src != np.arange(len(src))).any():
+            aux = aux[torch.from_numpy(src).to(projected.device)]
         configs, gens = self.streams.sampling_rows(batch, sampled)
-        codes = sample_rows(heads.aux_logits(projected[idx], self._head_bias), configs, gens)
+        codes = sample_rows(aux, configs, gens)
         ids = heads.aux_ids(codes.cpu().numpy(), plan.active[sampled])
         if len(sampled) == len(rows):
             return ids

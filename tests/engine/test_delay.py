@@ -48,6 +48,9 @@ def test_assembler_emits_each_frame_once_8_steps_after_its_first_token(frames: n
     np.testing.assert_array_equal(got, frames)
     assert asm.done
     np.testing.assert_array_equal(asm.frames(), frames)
+    np.testing.assert_array_equal(delay.segment_frames(steps), frames)
+    cut = steps[: t + 8 - min(t, 3)]  # a segment stopped before its last frames completed
+    np.testing.assert_array_equal(delay.segment_frames(cut), frames[: max(0, cut.shape[0] - 8)])
 
 
 def test_deinterleave_rejects_short_input() -> None:
