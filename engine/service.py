@@ -30,7 +30,7 @@ import numpy as np
 from engine import cfg, vocab
 from engine.capacity import CapacityModel
 from engine.delay import MAX_DELAY, FrameAssembler
-from engine.dialogue import DialogueTurn, response_prompt, stable_user_prefix
+from engine.dialogue import SPEAKER_PROMPT_FRAMES, DialogueTurn, response_prompt, stable_user_prefix
 from engine.request import AudioRequest
 from engine.sampling import SamplingConfig
 from engine.service_api import (
@@ -119,6 +119,16 @@ class _Response:
 _END = object()  # queue sentinel: the response ended (cancel or engine error)
 
 
+def _as_float_pcm(pcm, what: str) -> np.ndarray:
+    """Mono int16 or float in [-1, 1] -> float32."""
+    pcm = np.asarray(pcm)
+    if pcm.ndim != 1:
+        raise ValueError(f"{what} must be mono 1-D samples, got shape {pcm.shape}")
+    if pcm.dtype == np.int16:
+        pcm = pcm.astype(np.float32) / 32768.0
+    return pcm.astype(np.float32, copy=False)
+
+
 def _sampling_config(options: ConversationOptions) -> SamplingConfig:
     return SamplingConfig(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, seed=options.seed)
 
@@ -141,24 +151,43 @@ class Conversation:
         self.cached_tokens_last_response = 0  # prompt positions served from the prefix cache
         self.prefilled_requests = 0  # incremental prefills issued while the user talked
         self.last_prompt: np.ndarray | None = None  # the prompt of the latest response
+        self._speaker: asyncio.Future | None = self._tokenize_speaker(options.speaker_prompt_pcm)
 
     def update_options(self, options: ConversationOptions) -> None:
         """New settings (session.update); they apply from the next response on."""
         self._check_open()
+        old = self._options.speaker_prompt_pcm
+        new = options.speaker_prompt_pcm
+        if (old is None) != (new is None) or (new is not None and not np.array_equal(old, new)):
+            self._speaker = self._tokenize_speaker(new)
+            # the prompt's prefix changed: a new salt keeps the old prefix's KV out of reach
+            self._salt = f"conv:{self.id}:{next(self._engine._salt_ids)}"
         self._options = options
         self._sampling = _sampling_config(options)
+
+    def _tokenize_speaker(self, pcm: np.ndarray | None) -> asyncio.Future | None:
+        """The speaker prompt's frames (at most dialogue.SPEAKER_PROMPT_FRAMES), tokenized off the loop."""
+        if pcm is None:
+            return None
+        pcm = _as_float_pcm(pcm, "the speaker prompt")
+        if pcm.size == 0:
+            return None
+        pcm = pcm[: SPEAKER_PROMPT_FRAMES * SAMPLES_PER_FRAME]
+        return self._engine._tokenize(self._engine._tokenizer.new_state(), pcm, finish=True)
+
+    def _speaker_frames(self) -> np.ndarray | None:
+        """The tokenized speaker prompt, or None (none given, or not tokenized yet)."""
+        fut = self._speaker
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return None
+        return fut.result()
 
     # --- user audio --------------------------------------------------------------------------
 
     def push_user_audio(self, pcm_16k: np.ndarray) -> None:
         """Mono int16 (or float in [-1, 1]) at 16 kHz; tokenized off the loop as it arrives."""
         self._check_open()
-        pcm = np.asarray(pcm_16k)
-        if pcm.ndim != 1:
-            raise ValueError(f"user audio must be mono 1-D samples, got shape {pcm.shape}")
-        if pcm.dtype == np.int16:
-            pcm = pcm.astype(np.float32) / 32768.0
-        pcm = pcm.astype(np.float32, copy=False)
+        pcm = _as_float_pcm(pcm_16k, "user audio")
         if self._user is None:
             self._user = _UserTurn(tokenizer_state=self._engine._tokenizer.new_state())
         user = self._user
@@ -198,8 +227,10 @@ class Conversation:
             return
         if (user.num_frames - user.prefilled_frames) * FRAME_MS < conf.prefill_interval_ms:
             return
+        if self._speaker is not None and not self._speaker.done():
+            return  # the prompt starts with the speaker prompt: prefill once it is tokenized
         user.prefilled_frames = user.num_frames
-        prompt = stable_user_prefix(self._turns, user.all_frames())
+        prompt = stable_user_prefix(self._turns, user.all_frames(), self._speaker_frames())
         self._prefill_task = asyncio.ensure_future(self._engine._prefill(prompt, self._salt))
         self.prefilled_requests += 1
 
@@ -218,9 +249,11 @@ class Conversation:
         self._response, self._state = response, TurnState.RESPONDING
         try:
             await user.done  # the tokenizer has flushed the turn; its frames are in `user`
+            if self._speaker is not None:
+                await self._speaker  # queued on the tokenizer thread before this turn: already done
             self._turns.append(DialogueTurn(vocab.USER, user.all_frames()))
             response.answering = True
-            self.last_prompt = response_prompt(self._turns)
+            self.last_prompt = response_prompt(self._turns, self._speaker_frames())
             self.cached_tokens_last_response = 0
             max_frames = max(1, int(self._options.max_response_ms / FRAME_MS))
             if cfg.uses_cfg(self._options.cfg_scale):
@@ -302,7 +335,7 @@ class Conversation:
 
     def next_prompt(self) -> np.ndarray:
         """The prompt the next response would start from (for tests and debugging)."""
-        return response_prompt(self._turns)
+        return response_prompt(self._turns, self._speaker_frames())
 
     def _check_open(self) -> None:
         if self._state == TurnState.CLOSED:

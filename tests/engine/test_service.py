@@ -164,3 +164,38 @@ def test_admission_control_and_closed_conversations(engine, loop_thread) -> None
 
     load = loop_thread.run(run())
     assert load.conversations == 2 and load.capacity == 2 and load.step_ms > 0
+
+
+def test_a_speaker_prompt_leads_the_prompt_conditions_the_answer_and_can_be_dropped(engine, loop_thread, reference, tiny_model) -> None:
+    from engine.codec.ssl import SSLTokenizer
+    from engine.codec.tokenizer import AudioTokenizer
+    from engine.dialogue import speaker_segment
+    from engine.prompt import special_rows
+
+    voice = speech(1.5, seed=11)
+    options = ConversationOptions(speaker_prompt_pcm=voice, temperature=0.0, max_response_ms=MAX_RESPONSE_MS)
+
+    async def run():
+        conv = engine.open_conversation("speaker", options)
+        await talk(conv, speech(1.0, seed=12), realtime=False)
+        await answer(conv)
+        first, said = conv.last_prompt, conv._turns[-1].frames
+        conv.update_options(GREEDY_OPTIONS)  # no speaker prompt from the next answer on
+        await talk(conv, speech(0.6, seed=13), realtime=False)
+        await answer(conv)
+        second = conv.last_prompt
+        await conv.close()
+        return first, said, second
+
+    first, said, second = loop_thread.run(run())
+    frames = AudioTokenizer(DAC.from_dir(tiny_model), SSLTokenizer.from_dir(tiny_model)).tokenize(voice.astype(np.float32) / 32768.0)
+    assert len(frames) == 75  # 1.5 s at 50 Hz
+    head = special_rows(vocab.SOS_EOS, vocab.TASK_AUDIO_DIALOGUE)
+    with_speaker = np.concatenate([head, speaker_segment(frames)])
+    np.testing.assert_array_equal(first[: len(with_speaker)], with_speaker)
+    # the answer is the reference's greedy answer to exactly that prompt
+    ref_frames, _ = reference_audio(reference, first)
+    np.testing.assert_array_equal(said, ref_frames)
+    # dropped: the next prompt starts with the user's first turn right after the task marker
+    assert not np.array_equal(second[: len(with_speaker)], with_speaker)
+    np.testing.assert_array_equal(second[len(head) : len(head) + 1], special_rows(vocab.USER, vocab.CODEC_SSL)[:1])
