@@ -70,7 +70,8 @@ class SessionSection:
     """Defaults of a new session's engine options (session.update overrides them)."""
 
     instructions: str = ""
-    voice: str = "default"
+    voice: str = "default"  # "default" (the model's own) or a name in `voices`
+    voices: dict = field(default_factory=dict)  # name -> WAV file: speaker prompts clients pick with `voice`
     # the engine's defaults, so the three layers cannot drift apart
     temperature: float = ENGINE_DEFAULTS.temperature
     top_k: int = ENGINE_DEFAULTS.top_k
@@ -195,6 +196,11 @@ def validate(cfg: ServerConfig) -> None:
     for key, ok in checks:
         if not ok:
             raise ValueError(f"config key '{key}': value out of range")
+    for name, path in cfg.session.voices.items():
+        if not isinstance(name, str) or not name or name == "default" or not isinstance(path, str):
+            raise ValueError(f"config key 'session.voices.{name}': a voice is a name (not 'default') and a WAV file path")
+    if cfg.session.voice != "default" and cfg.session.voice not in cfg.session.voices:
+        raise ValueError(f"config key 'session.voice': {cfg.session.voice!r} is not 'default' or a name in session.voices")
 
 
 def with_overrides(cfg: ServerConfig, **keys) -> ServerConfig:

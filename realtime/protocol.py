@@ -22,7 +22,7 @@ import binascii
 import itertools
 import json
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
 from engine.service_api import ConversationOptions
@@ -75,10 +75,12 @@ class SessionSettings:
     max_response_ms: float = ENGINE_DEFAULTS.max_response_ms
     input_format: WireFormat = WireFormat.PCM16
     output_format: WireFormat = WireFormat.PCM16
+    voices: dict = field(default_factory=dict, compare=False, repr=False)  # the server's: name -> 16 kHz PCM
 
     def engine_options(self) -> ConversationOptions:
-        return ConversationOptions(system_prompt=self.instructions or None, temperature=self.temperature, top_k=self.top_k,
-                                   top_p=self.top_p, seed=self.seed, cfg_scale=self.cfg_scale, max_response_ms=self.max_response_ms)
+        return ConversationOptions(system_prompt=self.instructions or None, speaker_prompt_pcm=self.voices.get(self.voice),
+                                   temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                                   cfg_scale=self.cfg_scale, max_response_ms=self.max_response_ms)
 
 
 class ClientError(Exception):
@@ -434,7 +436,7 @@ class RealtimeProtocol:
                       "output": {"format": s.output_format.to_wire(), "voice": s.voice}},
             "duplex": {"top_k": s.top_k, "top_p": s.top_p, "seed": s.seed, "cfg_scale": s.cfg_scale,
                        "temperature": s.temperature, "max_response_ms": s.max_response_ms,
-                       "lead_ms": self.session.limits.lead_ms, "binary_opus": True},
+                       "lead_ms": self.session.limits.lead_ms, "binary_opus": True, "voices": ["default", *s.voices]},
         }
 
     @staticmethod

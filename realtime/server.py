@@ -41,6 +41,7 @@ from realtime.runner import SessionRunner
 from realtime.session import Session, SessionLimits
 from realtime.vad import VadParams
 from realtime.vad_batch import VadBatcher
+from realtime.voices import load_voices
 
 log = logging.getLogger("duplex.gateway")
 
@@ -78,10 +79,10 @@ class WsRoute:
     auth: bool = True  # False: the protocol carries its own credentials (Twilio's customParameters)
 
 
-def session_settings(cfg: ServerConfig) -> SessionSettings:
+def session_settings(cfg: ServerConfig, voices: dict | None = None) -> SessionSettings:
     s = cfg.session
     return SessionSettings(instructions=s.instructions, voice=s.voice, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                           seed=s.seed, cfg_scale=s.cfg_scale, max_response_ms=s.max_response_ms)
+                           seed=s.seed, cfg_scale=s.cfg_scale, max_response_ms=s.max_response_ms, voices=voices or {})
 
 
 def default_vad(cfg: ServerConfig) -> VadParams | None:
@@ -99,6 +100,7 @@ class Gateway:
         self.config = config
         self.token = token if token is not None else config.server.token
         self.metrics = GatewayMetrics()
+        self.voices = load_voices(config.session.voices)  # name -> 16 kHz PCM (speaker prompts)
         self.vad = VadBatcher(config.audio.vad_batch_ms) if config.audio.vad_batch_ms > 0 else None
         self.sessions: dict[str, SessionRunner] = {}
         self.ws_routes: dict[str, WsRoute] = {}

@@ -10,6 +10,7 @@ import secrets
 import signal
 
 from realtime.config import ServerConfig, load_config, with_overrides
+from realtime.voices import load_voices
 
 log = logging.getLogger("duplex.serve")
 
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = build_config(args)
     ecfg = engine_config(cfg)
+    load_voices(cfg.session.voices)  # a bad voice file fails now, not after the engine's start-up
     return asyncio.run(_serve(cfg, ecfg))
 
 

@@ -138,7 +138,7 @@ class TwilioBridge:
         from realtime.server import session_settings
 
         try:
-            conv = gw.open_conversation(session_id, session_settings(gw.config).engine_options())
+            conv = gw.open_conversation(session_id, session_settings(gw.config, gw.voices).engine_options())
         except AtCapacity as e:
             log.warning("twilio stream %s (call %s): refused: %s", start.stream_sid, start.call_sid, e)
             await ws.close(CLOSE_TRY_AGAIN, "server at capacity")

@@ -73,7 +73,7 @@ def realtime_protocol(gw: Gateway, session, resume_token: str | None = None) -> 
 
     cfg = gw.config
     resume = ResumeOffer(resume_token, cfg.limits.resume_grace_s) if resume_token else None
-    return RealtimeProtocol(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes), session_settings(cfg),
+    return RealtimeProtocol(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes), session_settings(cfg, gw.voices),
                             OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity), resume)
 
 

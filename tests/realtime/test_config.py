@@ -26,6 +26,10 @@ def test_shipped_yaml_equals_the_defaults():
     ({"audio": {"output_frame_ms": 33}}, "audio.output_frame_ms"),
     ({"nonsense": {}}, "nonsense"),
     ({"server": {"port": True}}, "server.port"),
+    ({"session": {"voice": "narrator"}}, "session.voice"),
+    ({"session": {"voices": {"default": "a.wav"}}}, "session.voices.default"),
+    ({"session": {"voices": {"x": 3}}}, "session.voices.x"),
+    ({"session": {"voices": ["a.wav"]}}, "session.voices"),
 ])
 def test_bad_keys_and_values_name_the_key(data, key):
     with pytest.raises(ValueError, match=f"'{key}'"):
@@ -46,6 +50,14 @@ def test_duplex_serve_bad_config_exits_2_naming_the_key(tmp_path):
     bad.write_text("engine:\n  max_conversation: 3\n")
     r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--config", str(bad)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2 and "engine.max_conversation" in r.stderr
+    # a voice file that is not there, or not a WAV: named before the engine starts
+    bad.write_text(f"session:\n  voices:\n    narrator: {tmp_path / 'missing.wav'}\n")
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--config", str(bad)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "session.voices.narrator" in r.stderr and "no such file" in r.stderr
+    (tmp_path / "text.wav").write_text("not audio")
+    bad.write_text(f"session:\n  voices:\n    narrator: {tmp_path / 'text.wav'}\n")
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--config", str(bad)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "session.voices.narrator" in r.stderr and "not a readable WAV" in r.stderr
 
 
 def test_realtime_imports_no_torch_or_vllm():

@@ -16,7 +16,7 @@ import urllib.request
 import numpy as np
 import pytest
 import websockets
-from rt_helpers import running_gateway, silence
+from rt_helpers import espeak, running_gateway, silence
 
 from engine.service_api import Role
 from realtime.audio import InputDecoder, OutputEncoder, WireFormat
@@ -29,11 +29,25 @@ MAX_RESPONSE_MS = 4000.0
 
 
 @pytest.fixture(scope="module")
-def gateway(loop_thread, tiny_model):
+def narrator_wav(tmp_path_factory):
+    """A voice for the server's `session.voices` (espeak at 22.05 kHz: the server resamples)."""
+    import wave
+
+    path = tmp_path_factory.mktemp("voices") / "narrator.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(22_050)
+        w.writeframes(espeak("this is how I sound when I talk", 22_050).astype("<i2").tobytes())
+    return path
+
+
+@pytest.fixture(scope="module")
+def gateway(loop_thread, tiny_model, narrator_wav):
     with running_gateway(loop_thread, tiny_model, CAPACITY, {
         "server": {"port": 0, "token": TOKEN},
         "vad": {"silence_duration_ms": 400},
-        "session": {"max_response_ms": MAX_RESPONSE_MS, "temperature": 0.0},
+        "session": {"max_response_ms": MAX_RESPONSE_MS, "temperature": 0.0, "voices": {"narrator": str(narrator_wav)}},
         "limits": {"max_message_bytes": 256 * 1024, "max_append_bytes": 64 * 1024},
     }) as gw:
         yield gw
@@ -371,3 +385,34 @@ def test_gateway_audio_equals_the_engine_output(gateway, speech, tiny_model):
     n = min(len(got), len(want)) - 96
     best = max(snr_db(want[48 : 48 + n], got[48 + lag : 48 + lag + n]) for lag in range(-48, 49))
     assert best > 25.0, best
+
+
+def test_a_named_voice_is_the_speaker_prompt_of_every_answer(gateway, speech):
+    """session.update voice=NAME (a server voice) puts that audio as OpusLM's speaker prompt at the
+    head of the engine's prompt; any other name (OpenAI's "alloy") keeps the model's own voice."""
+    from engine import vocab
+    from engine.prompt import special_rows
+
+    async def turn(voice: str):
+        c = await connect(gateway)
+        sid = c.events[0]["session"]["id"]
+        assert c.events[0]["session"]["duplex"]["voices"] == ["default", "narrator"]
+        await c.send(type="session.update", session={"audio": {"output": {"voice": voice}}})
+        updated = await c.wait_for("session.updated")
+        await c.stream(utterance(speech, "what do you sound like"))
+        done = await c.wait_for("response.done")
+        prompt = gateway.conversation(sid).last_prompt.copy()
+        await c.close()
+        return updated, done, prompt
+
+    updated, done, prompt = run(turn("narrator"))
+    assert updated["session"]["audio"]["output"]["voice"] == "narrator"
+    assert done["response"]["status"] == "completed"
+    np.testing.assert_array_equal(prompt[2:4], special_rows(vocab.SYSTEM, vocab.SPEAKER))
+    voice_frames = -(-gateway.voices["narrator"].size // 320)  # ceil: a last partial frame counts
+    user_at = 4 + voice_frames + 8  # the speaker segment: marker rows, its frames, the 8-step flush
+    np.testing.assert_array_equal(prompt[user_at : user_at + 2], special_rows(vocab.USER, vocab.CODEC_SSL))
+
+    _, done, prompt = run(turn("alloy"))
+    assert done["response"]["status"] == "completed"
+    np.testing.assert_array_equal(prompt[2:4], special_rows(vocab.USER, vocab.CODEC_SSL))
