@@ -56,7 +56,9 @@ def summarize(records: list[CallerRecord]) -> dict:
 
 
 def accounting(records: list[CallerRecord], before: dict, after: dict) -> dict:
-    """Every frame a caller sent: consumed by a session, dropped by policy (counted), or rejected (an error)."""
+    """Every frame a caller sent: consumed by a session, dropped by policy (counted), rejected (an error),
+    or sent to a call the server refused (a Twilio caller streams media right after `start`, before the
+    refusal's close reaches it; no session exists to count those)."""
 
     def delta(prefix: str) -> float:
         keys = {k for k in (*before, *after) if k == prefix or k.startswith(prefix + "{")}
@@ -68,8 +70,10 @@ def accounting(records: list[CallerRecord], before: dict, after: dict) -> dict:
     consumed = delta("duplex_input_frames_total")
     dropped = delta("duplex_input_frames_dropped_total")
     rejected = delta("duplex_input_frames_rejected_total")
+    refused = sum(r.frames_sent for r in records if r.refused)
     return {"frames_sent": sent, "frames_consumed": int(consumed), "frames_dropped_by_policy": int(dropped),
-            "frames_rejected_with_error": int(rejected), "frames_unaccounted": int(sent - consumed - dropped - rejected)}
+            "frames_rejected_with_error": int(rejected), "frames_to_refused_calls": refused,
+            "frames_unaccounted": int(sent - consumed - dropped - rejected - refused)}
 
 
 def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, timeline: list[dict], t0: float,

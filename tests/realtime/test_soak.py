@@ -64,3 +64,16 @@ def test_fault_runs_leave_the_server_and_the_witness_unharmed(tmp_path, tiny_mod
     assert witness["errors"] == [] and witness["crashed"] is None and witness["closed_by_server"] is None
     assert witness["answers"] >= 1
     assert report["server_exit_code"] == 0
+
+
+def test_accounting_counts_frames_sent_to_a_refused_call_as_refused_not_lost():
+    from realtime.soak.callers import CallerRecord
+    from realtime.soak.report import accounting
+
+    records = [CallerRecord("ws-opus", 0, frames_sent=100), CallerRecord("twilio", 1, frames_sent=1, refused="server_at_capacity")]
+    before = {"duplex_input_frames_total": 10.0}
+    after = {"duplex_input_frames_total": 108.0, 'duplex_input_frames_dropped_total{transport="ws",reason="x"}': 2.0}
+    acct = accounting(records, before, after)
+    assert acct["frames_to_refused_calls"] == 1 and acct["frames_unaccounted"] == 0
+    after["duplex_input_frames_total"] = 107.0  # one of the admitted caller's frames went nowhere
+    assert accounting(records, before, after)["frames_unaccounted"] == 1
