@@ -174,6 +174,17 @@ class SessionRunner:
             if self.task:
                 self.task.cancel()
 
+    def _submit_vad(self) -> None:
+        """Waiting user audio: settle what needs no model call, queue the rest's windows in the batch."""
+        self.session.settle_vad(run=False)  # audio that completes no window
+        if not self.session.vad_pending:
+            return
+        if self.gw.vad is None:  # batching off: run this session's windows now
+            self.session.settle_vad()
+            return
+        self._vad_submitted = True
+        self.gw.vad.submit(self.session.vad_stream(), self._vad_ran)
+
     def _vad_ran(self) -> None:
         """The batcher ran this session's VAD windows: settle its waiting audio in the loop."""
         self._vad_submitted = False
@@ -288,19 +299,15 @@ class SessionRunner:
                 self.proto.send_session_events(self.session.events())  # keeps events and errors in input order
                 if self.closing is not None or self.proto.closing is not None:
                     break  # the rest is not for a session that is ending
-            if items:
-                pass  # input arrived: the timeouts below cannot have expired
-            elif self._detached_at is not None and now >= idle_at:
-                log.info("session %s: not resumed within %.0f s", self.id, lim.resume_grace_s)
-                self.closing = (CLOSE_GOING_AWAY, "not resumed in time")
-                return
-            elif now >= idle_at and (self.session.response is None or self.session.response.status.finished):
-                self._close_with_error("idle_timeout", f"no client event for {lim.idle_timeout_s:.0f} s", CLOSE_NORMAL)
+            if not items:  # woken by a deadline, not by input
+                if self._detached_at is not None and now >= idle_at:
+                    log.info("session %s: not resumed within %.0f s", self.id, lim.resume_grace_s)
+                    self.closing = (CLOSE_GOING_AWAY, "not resumed in time")
+                    return
+                if now >= idle_at and (self.session.response is None or self.session.response.status.finished):
+                    self._close_with_error("idle_timeout", f"no client event for {lim.idle_timeout_s:.0f} s", CLOSE_NORMAL)
             if self.session.vad_pending and not self._vad_submitted:
-                self.session.settle_vad(run=False)  # audio that completes no window needs no model call
-                if self.session.vad_pending:
-                    self._vad_submitted = True
-                    self.gw.vad.submit(self.session.vad_stream(), self._vad_ran)
+                self._submit_vad()
             # While detached nothing is paced out: undelivered audio is not played; pacing resumes on attach.
             next_due = self.session.poll_audio(now) if self.link is not None else None
             self.proto.send_session_events(self.session.events())
