@@ -93,14 +93,15 @@ def default_vad(cfg: ServerConfig) -> VadParams | None:
 class Gateway:
     """One server: the engine, the sessions, the metrics. `await start()`, `await stop()`."""
 
-    def __init__(self, engine, config: ServerConfig, token: str | None = None) -> None:
+    def __init__(self, engine, config: ServerConfig, token: str | None = None, voices: dict | None = None) -> None:
+        """`voices`: `config.session.voices` already loaded (`load_voices`), else they are loaded here."""
         from realtime import transports
 
         self.engine = engine
         self.config = config
         self.token = token if token is not None else config.server.token
         self.metrics = GatewayMetrics()
-        self.voices = load_voices(config.session.voices)  # name -> 16 kHz PCM (speaker prompts)
+        self.voices = load_voices(config.session.voices) if voices is None else voices  # name -> 16 kHz PCM
         self.vad = VadBatcher(config.audio.vad_batch_ms) if config.audio.vad_batch_ms > 0 else None
         self.sessions: dict[str, SessionRunner] = {}
         self.ws_routes: dict[str, WsRoute] = {}

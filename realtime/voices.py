@@ -8,11 +8,11 @@ model's own voice, so existing clients keep working.
 
 from __future__ import annotations
 
-import wave
 from pathlib import Path
 
 import numpy as np
 
+from engine.codec.wavio import read_wav  # stdlib wave + numpy only: no torch in the gateway
 from realtime.audio import StreamResampler
 
 RATE_HZ = 16_000
@@ -33,19 +33,13 @@ def load_voices(paths: dict[str, str]) -> dict[str, np.ndarray]:
 
 def read_voice(path: Path) -> np.ndarray:
     try:
-        with wave.open(str(path), "rb") as f:
-            if f.getcomptype() != "NONE" or f.getsampwidth() != 2:
-                raise ValueError(f"{path}: need a 16-bit PCM WAV file")
-            channels, rate, n = f.getnchannels(), f.getframerate(), f.getnframes()
-            if n > MAX_SECONDS * rate:
-                raise ValueError(f"{path}: {n / rate:.0f} s long; a voice prompt is at most {MAX_SECONDS:.0f} s")
-            data = f.readframes(n)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except (wave.Error, EOFError, OSError) as e:
-        raise ValueError(f"{path}: not a readable WAV file ({e})") from None
-    pcm = np.frombuffer(data, dtype="<i2").reshape(-1, channels).mean(axis=1).astype(np.int16)
+        pcm, rate = read_wav(path)  # ValueError: not a 16-bit PCM WAV
+    except OSError as e:
+        raise ValueError(f"{path}: no such file" if isinstance(e, FileNotFoundError) else f"{path}: not a readable WAV file ({e})") from None
     if pcm.size == 0:
         raise ValueError(f"{path}: holds no audio")
+    if pcm.size > MAX_SECONDS * rate:
+        raise ValueError(f"{path}: {pcm.size / rate:.0f} s long; a voice prompt is at most {MAX_SECONDS:.0f} s")
+    ints = np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype(np.int16)
     resampler = StreamResampler(rate, RATE_HZ)
-    return np.concatenate([resampler.process(pcm), resampler.flush()]).astype(np.int16)
+    return np.concatenate([resampler.process(ints), resampler.flush()]).astype(np.int16)

@@ -55,18 +55,18 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = build_config(args)
     ecfg = engine_config(cfg)
-    load_voices(cfg.session.voices)  # a bad voice file fails now, not after the engine's start-up
-    return asyncio.run(_serve(cfg, ecfg))
+    voices = load_voices(cfg.session.voices)  # a bad voice file fails now, not after the engine's start-up
+    return asyncio.run(_serve(cfg, ecfg, voices))
 
 
-async def _serve(cfg: ServerConfig, ecfg) -> int:
+async def _serve(cfg: ServerConfig, ecfg, voices: dict) -> int:
     from engine.service import Engine
     from realtime.server import Gateway
 
     token = cfg.server.token or secrets.token_hex(16)  # hex: never starts with "-", so it pastes into --token
     log.info("starting the engine (model: %s)...", ecfg.model or "tiny default")
     engine = await Engine.start(ecfg)
-    gw = Gateway(engine, cfg, token=token)
+    gw = Gateway(engine, cfg, token=token, voices=voices)
     try:
         await gw.start()
         base = cfg.server.public_url or f"http://{cfg.server.host}:{gw.port}"
