@@ -130,10 +130,11 @@ class RealtimeProtocol:
         self._out.append(json.dumps({"type": event_type, "event_id": f"event_{next(self._event_ids)}", **fields}, separators=(",", ":")))
 
     def _error(self, e: ClientError | SessionError, client_event_id: str | None) -> None:
-        if isinstance(e, (ClientError, SessionError)) and getattr(e, "error_type", "invalid_request_error") != "server_error":
+        error_type = getattr(e, "error_type", "invalid_request_error")  # SessionError: always the client's
+        if error_type != "server_error":
             self.client_errors += 1
         self._emit("error", error={
-            "type": getattr(e, "error_type", "invalid_request_error"), "code": e.code, "message": e.message,
+            "type": error_type, "code": e.code, "message": e.message,
             "param": e.param, "event_id": client_event_id,
         })
 
