@@ -71,6 +71,7 @@ class EngineServiceConfig:
     first_chunk_frames: int = 4  # codec: small first chunk for time to first audio
     chunk_frames: int = 16
     codec_max_batch: int = 16
+    codec_device: str = "cpu"  # DAC decoder and audio tokenizer; "cuda" beside a GPU engine (XEUS needs it)
     first_audio_budget_ms: float = 60.0  # the first chunk's deadline after its frames exist
     pacing_lead_ms: float = 500.0  # generation runs at most this far ahead of playback
     capacity_margin: float = 0.8
@@ -364,7 +365,7 @@ class Engine:
     async def _start(self) -> None:
         from engine.async_engine import AsyncOpusEngine, EngineConfig
         from engine.codec.dac import DAC
-        from engine.codec.ssl import SSLTokenizer
+        from engine.codec.ssl import load_ssl
         from engine.codec.stage import CodecStage
         from engine.codec.streaming import StreamConfig
         from engine.codec.tokenizer import AudioTokenizer
@@ -381,8 +382,8 @@ class Engine:
             import torch
 
             torch.set_num_threads(1)  # codec and tokenizer threads: one core each, no oversubscription
-            dac = DAC.from_dir(model, device="cpu")
-            return dac, AudioTokenizer(dac, SSLTokenizer.from_dir(model, device="cpu"))
+            dac = DAC.from_dir(model, device=cfg.codec_device)
+            return dac, AudioTokenizer(dac, load_ssl(model, device=cfg.codec_device))
 
         dac, self._tokenizer = await loop.run_in_executor(self._tok_pool, load_audio)
         self._codec = CodecStage(

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from engine.codec.dac import DAC  # noqa: E402
-from engine.codec.ssl import SSLTokenizer  # noqa: E402
+from engine.codec.ssl import load_ssl  # noqa: E402
 from engine.codec.streaming import DecoderState, StreamConfig, StreamingDecoder  # noqa: E402
 from engine.codec.synth import speech_like  # noqa: E402
 from engine.codec.tiny import make_tiny_codec  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> int:
         model_dir = args.model or pathlib.Path(tmp)
         if args.model is None:
             make_tiny_codec(model_dir)
-        dac, ssl = DAC.from_dir(model_dir), SSLTokenizer.from_dir(model_dir)
+        dac, ssl = DAC.from_dir(model_dir), load_ssl(model_dir)
     pcm = speech_like(args.seconds, seed=1)
     codes = dac.encode(torch.from_numpy(pcm)[None, None])[0].t().numpy()
     audio_s = len(codes) * HOP_SAMPLES / SAMPLE_RATE_HZ

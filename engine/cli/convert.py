@@ -1,5 +1,8 @@
-"""`duplex convert espnet SRC_DIR OUT_DIR [--dtype bf16|fp32] [--backbone-config PATH] [--codec DIR]`:
-convert an ESPnet OpusLM checkpoint into our format (engine/convert/espnet.py)."""
+"""`duplex convert espnet SRC_DIR OUT_DIR [--dtype bf16|fp32] [--backbone-config PATH] [--codec DIR] [--xeus DIR]`:
+convert an ESPnet OpusLM checkpoint into our format (engine/convert/espnet.py).
+
+`duplex convert xeus XEUS_DIR MODEL_DIR [--checkpoint PTH] [--kmeans MDL] [--layer N]`: write the
+stream-0 tokenizer (XEUS + k-means) into a converted model directory (engine/convert/xeus.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         "as a local dir (relative to SRC_DIR) or from the local Hugging Face cache",
     )
     e.add_argument("--codec", type=Path, help="ESPnet codec dir (config.yaml + *.pth); default SRC_DIR/codec")
+    e.add_argument(
+        "--xeus",
+        type=Path,
+        help="the espnet/xeus snapshot dir (model/xeus_checkpoint_new.pth, model/km_opus_lm.mdl) for "
+        "the stream-0 tokenizer; default SRC_DIR/xeus when present",
+    )
+    e.add_argument("--xeus-layer", type=int, default=18, help="XEUS output layer (default 18, as OpusLM)")
     e.set_defaults(func=run)
+
+    x = csub.add_parser("xeus", help="ESPnet's XEUS SSL encoder + k-means -> MODEL_DIR/ssl/")
+    x.add_argument("src_dir", type=Path, help="the espnet/xeus snapshot dir (model/xeus_checkpoint_new.pth, ...)")
+    x.add_argument("model_dir", type=Path, help="a converted model dir; its ssl/ is (re)written")
+    x.add_argument("--checkpoint", type=Path, help="XEUS weights (default SRC_DIR/model/xeus_checkpoint_new.pth)")
+    x.add_argument("--kmeans", type=Path, help="k-means model, joblib or .npy (default SRC_DIR/model/km_opus_lm.mdl)")
+    x.add_argument("--config", type=Path, help="XEUS config.yaml (default SRC_DIR/model/config.yaml when present)")
+    x.add_argument("--layer", type=int, default=18, help="output layer index, as OpusLM's xeus_layer (default 18)")
+    x.add_argument("--left-context-frames", type=int, default=100, help="streaming history per window (default 100 = 2 s)")
+    x.add_argument("--right-context-frames", type=int, default=10, help="streaming lookahead (default 10 = 200 ms)")
+    x.set_defaults(func=run_xeus)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,13 +55,52 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         report = convert_espnet(
-            args.src_dir, args.out_dir, dtype=args.dtype, backbone_config=args.backbone_config, codec_dir=args.codec
+            args.src_dir,
+            args.out_dir,
+            dtype=args.dtype,
+            backbone_config=args.backbone_config,
+            codec_dir=args.codec,
+            xeus_dir=args.xeus,
+            xeus_layer=args.xeus_layer,
         )
     except ConversionError as e:
         raise CliError(str(e)) from None
     print(
         f"converted {args.src_dir} -> {report.out_dir}: {report.backbone} backbone "
         f"(config {report.backbone_source}), {report.num_tensors} tensors, {report.dtype}, "
+        f"{human_bytes(report.bytes_written)} in {time.monotonic() - t0:.1f} s"
+    )
+    if report.dropped:
+        shown = ", ".join(report.dropped[:4]) + (" …" if len(report.dropped) > 4 else "")
+        print(f"dropped {len(report.dropped)}: {shown}")
+    for note in report.notes:
+        print(f"  {note}")
+    return 0
+
+
+def run_xeus(args: argparse.Namespace) -> int:
+    from engine.convert import ConversionError
+    from engine.convert.espnet import human_bytes
+    from engine.convert.xeus import convert_xeus
+
+    t0 = time.monotonic()
+    try:
+        report = convert_xeus(
+            args.src_dir,
+            args.model_dir,
+            checkpoint=args.checkpoint,
+            kmeans=args.kmeans,
+            config_yaml=args.config,
+            output_layer=args.layer,
+            left_context_frames=args.left_context_frames,
+            right_context_frames=args.right_context_frames,
+        )
+    except ConversionError as e:
+        raise CliError(str(e)) from None
+    cfg = report.config
+    print(
+        f"converted XEUS {args.src_dir} -> {report.out_dir}: {cfg.num_blocks} blocks of {cfg.output_size}, "
+        f"features from layer {cfg.output_layer}, {report.num_tensors} tensors, "
         f"{human_bytes(report.bytes_written)} in {time.monotonic() - t0:.1f} s"
     )
     if report.dropped:

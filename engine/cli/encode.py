@@ -25,7 +25,7 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from engine.codec.dac import DAC
-    from engine.codec.ssl import SSLTokenizer
+    from engine.codec.ssl import load_ssl
     from engine.codec.tokenizer import AudioTokenizer
     from engine.codec.wavio import read_wav, resample
 
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         pcm, rate_hz = read_wav(args.wav)
         dac = DAC.from_dir(args.model, device=args.device)
-        ssl = SSLTokenizer.from_dir(args.model, device=args.device)
+        ssl = load_ssl(args.model, device=args.device)
     except ValueError as exc:
         return _fail(str(exc))
     frames = AudioTokenizer(dac, ssl).tokenize(resample(pcm, rate_hz))

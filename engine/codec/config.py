@@ -63,10 +63,11 @@ class DACConfig:
 class SSLConfig:
     """The SSL tokenizer: a strided conv feature extractor and a k-means codebook.
 
-    The tiny default is random; a converted XEUS checkpoint will add its own `kind`.
+    The tiny default is random; converted XEUS checkpoints have `kind: "xeus"` and their own
+    config (engine/codec/xeus.py), chosen by `engine.codec.ssl.load_ssl`.
     """
 
-    kind: str = "conv"  # the feature extractor family; only "conv" exists so far
+    kind: str = "conv"  # the feature extractor family of this config
     sample_rate_hz: int = SAMPLE_RATE_HZ
     channels: int = 32
     feature_dim: int = 64
@@ -83,7 +84,7 @@ class SSLConfig:
         if self.num_clusters != SSL_SIZE:
             raise ValueError(f"num_clusters must be {SSL_SIZE}, got {self.num_clusters}")
         if self.kind != "conv":
-            raise ValueError(f"unknown SSL kind {self.kind!r} (known: 'conv')")
+            raise ValueError(f"SSLConfig kind must be 'conv', got {self.kind!r}")
 
 
 def load_config(cls: type[_C], path: pathlib.Path) -> _C:

@@ -1,20 +1,23 @@
 """SSL tokenizer for stream 0: a feature extractor at 50 Hz and a k-means codebook (argmin distance).
 
-The tiny default is a random strided conv stack with a random codebook. Real checkpoints will ship
-XEUS (layer 18) plus k-means 5000 under another `SSLConfig.kind`; the interface stays
-`SSLTokenizer.from_dir(model_dir)` -> `features()` / `quantize()` / `tokenize()`.
+The tiny default is a random strided conv stack with a random codebook (`kind: "conv"`); real
+checkpoints ship XEUS plus k-means 5000 (`kind: "xeus"`, engine/codec/xeus.py). `load_ssl(model_dir)`
+picks the class from `ssl/config.json`; both give `features()` / `quantize()` / `tokenize()` and
+`context_frames()` for the streaming tokenizer's windows.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 
 import torch
 from torch import nn
 
-from engine.codec.config import SSLConfig, load_part
+from engine.codec.config import CONFIG_NAME, SSLConfig, load_part
 from engine.codec.dac import pad1d_reflect
+from engine.codec.receptive import context_frames
 
 SSL_SUBDIR = "ssl"
 
@@ -52,19 +55,16 @@ class SSLTokenizer(nn.Module):
     def device(self) -> torch.device:
         return self.centroids.device
 
+    def context_frames(self, hop: int, device: torch.device | str) -> tuple[int, int]:
+        """(left, right) frames a streaming window needs around a block: the conv stack's
+        receptive field, measured."""
+        return context_frames(self.extractor, 1, hop, 1, device)
+
     def features(self, audio: torch.Tensor) -> torch.Tensor:
         return self.extractor(audio)
 
     def quantize(self, features: torch.Tensor) -> torch.Tensor:
-        """features [B, D, T] -> nearest centroid [B, T] (the fork's cdist argmin, as a matmul)."""
-        b, d, t = features.shape
-        x = features.transpose(1, 2).reshape(b * t, d)
-        dist = (
-            x.pow(2).sum(1, keepdim=True)
-            - 2 * x @ self.centroids.t()
-            + self.centroids.pow(2).sum(1)[None, :]
-        )
-        return dist.argmin(dim=-1).view(b, t)
+        return nearest_centroid(features, self.centroids)
 
     @torch.inference_mode()
     def tokenize(self, audio: torch.Tensor) -> torch.Tensor:
@@ -75,3 +75,36 @@ class SSLTokenizer(nn.Module):
         """Load `model_dir/ssl/{config.json, model.safetensors}`."""
         return load_part(cls, SSLConfig, pathlib.Path(model_dir) / SSL_SUBDIR, "SSL").to(device)
 
+
+
+def nearest_centroid(features: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """features [B, D, T] -> index of the nearest centroid (Euclidean) [B, T]: the fork's cdist
+    argmin and sklearn's `KMeans.predict`, as one matmul."""
+    b, d, t = features.shape
+    x = features.transpose(1, 2).reshape(b * t, d).to(centroids.dtype)
+    dist = x.pow(2).sum(1, keepdim=True) - 2 * x @ centroids.t() + centroids.pow(2).sum(1)[None, :]
+    return dist.argmin(dim=-1).view(b, t)
+
+
+def ssl_kind(model_dir: pathlib.Path) -> str:
+    """The `kind` in `model_dir/ssl/config.json` ("conv" when the file says nothing)."""
+    path = pathlib.Path(model_dir) / SSL_SUBDIR / CONFIG_NAME
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"SSL config {path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"SSL config {path} is not valid JSON: {exc}") from None
+    kind = raw.get("kind", "conv") if isinstance(raw, dict) else None
+    if kind not in ("conv", "xeus"):
+        raise ValueError(f"{path}: unknown SSL kind {kind!r} (known: 'conv', 'xeus')")
+    return kind
+
+
+def load_ssl(model_dir: pathlib.Path, device: torch.device | str = "cpu") -> nn.Module:
+    """The stream-0 tokenizer of a model directory, whichever kind it ships."""
+    if ssl_kind(model_dir) == "xeus":
+        from engine.codec.xeus import XeusTokenizer
+
+        return XeusTokenizer.from_dir(pathlib.Path(model_dir) / SSL_SUBDIR, device=device)
+    return SSLTokenizer.from_dir(model_dir, device=device)

@@ -25,6 +25,7 @@ import torch
 from engine.codec.dac import DAC
 from engine.codec.receptive import context_frames
 from engine.codec.ssl import SSLTokenizer
+from engine.codec.xeus import XeusTokenizer
 from engine.vocab import HOP_SAMPLES, NUM_CODEBOOKS, frames_to_global
 
 LstmState = tuple[torch.Tensor, torch.Tensor]
@@ -56,7 +57,7 @@ class TokenizerState:
 
 
 class AudioTokenizer:
-    def __init__(self, dac: DAC, ssl: SSLTokenizer, block_frames: int = 10) -> None:
+    def __init__(self, dac: DAC, ssl: SSLTokenizer | XeusTokenizer, block_frames: int = 10) -> None:
         self.dac = dac
         self.ssl = ssl
         self.hop = dac.hop_samples
@@ -64,7 +65,7 @@ class AudioTokenizer:
         device = dac.device
         enc = dac.encoder
         left_d, right_d = context_frames(enc.pre_lstm(), 1, self.hop, 1, device)
-        left_s, right_s = context_frames(ssl.extractor, 1, self.hop, 1, device)
+        left_s, right_s = ssl.context_frames(self.hop, device)
         self.left_frames = max(left_d, left_s)
         self.right_frames = max(right_d, right_s)
         post_width = enc.post_lstm()[-1].conv.conv.in_channels

@@ -312,9 +312,13 @@ def convert_espnet(
     backbone_config: str | Path | None = None,
     codec_dir: str | Path | None = None,
     hf_cache_dir: str | Path | None = None,
+    xeus_dir: str | Path | None = None,
+    xeus_layer: int = 18,
 ) -> ConversionReport:
     """Convert; see the module docstring. `out_dir` is created (it may exist if empty)."""
     src, out = Path(src_dir), Path(out_dir)
+    if xeus_dir is not None and not Path(xeus_dir).is_dir():
+        raise ConversionError(f"--xeus {xeus_dir} is not a directory")
     if dtype not in DTYPES:
         raise ConversionError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not src.is_dir():
@@ -362,7 +366,7 @@ def convert_espnet(
         report.notes.append(f"codec: {len(codec[1])} tensors from {codec_src} -> codec/")
     else:
         report.notes.append("no codec/ in the source: codec/ not written (the LM alone still loads)")
-    report.notes += _ssl_notes(src, out)
+    report.notes += _ssl_notes(src, out, Path(xeus_dir) if xeus_dir else None, xeus_layer)
     return report
 
 
@@ -389,15 +393,26 @@ def find_tokenizer(
     return files, f"text tokenizer: {tag!r} ({size} ids) -> {TOKENIZER_SUBDIR}/"
 
 
-def _ssl_notes(src: Path, out: Path) -> list[str]:
-    """Our-format SSL assets are copied; ESPnet's XEUS + k-means cannot be loaded by engine/codec."""
+def _ssl_notes(src: Path, out: Path, xeus_dir: Path | None, xeus_layer: int) -> list[str]:
+    """The stream-0 tokenizer: XEUS + k-means converted (engine/convert/xeus.py) from `xeus_dir`
+    or `src/xeus`, else our-format `src/ssl/` copied, else a note saying how to add it."""
+    from engine.convert.xeus import convert_xeus
+
+    xeus = xeus_dir or (src / "xeus" if (src / "xeus").is_dir() else None)
+    if xeus is not None:
+        report = convert_xeus(xeus, out, output_layer=xeus_layer)
+        return [
+            f"ssl: XEUS from {xeus} ({report.config.num_blocks} blocks, layer {report.config.output_layer}) "
+            "+ k-means -> ssl/",
+            *report.notes,
+        ]
     ssl = src / "ssl"
     if (ssl / "config.json").is_file() and (ssl / "model.safetensors").is_file():
         shutil.copytree(ssl, out / "ssl")
         return ["ssl: copied ssl/ (already in engine/codec format)"]
     return [
-        "ssl/ not written: the real SSL tokenizer (XEUS layer 18 + k-means 5000) has no loader in "
-        "engine/codec/ssl.py yet; audio input needs one"
+        "ssl/ not written: no xeus/ in the source; audio input needs it: "
+        f"duplex convert xeus XEUS_DIR {out} (XEUS_DIR = a snapshot of espnet/xeus)"
     ]
 
 
