@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -71,13 +72,19 @@ class EngineServiceConfig:
     first_chunk_frames: int = 4  # codec: small first chunk for time to first audio
     chunk_frames: int = 16
     codec_max_batch: int = 16
-    codec_device: str = "cpu"  # DAC decoder and audio tokenizer; "cuda" beside a GPU engine (XEUS needs it)
+    codec_device: str = "auto"  # DAC decoder + audio tokenizer: auto = the engine's GPU when torch sees one, else cpu
     first_audio_budget_ms: float = 60.0  # the first chunk's deadline after its frames exist
     pacing_lead_ms: float = 500.0  # generation runs at most this far ahead of playback
     capacity_margin: float = 0.8
     capacity_override: int | None = None  # a fixed capacity instead of the measured one
     warmup: bool = True
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.codec_device):
+            raise ValueError(
+                f"config key 'engine.codec_device': expected auto, cpu, cuda or cuda:N, got {self.codec_device!r}"
+            )
 
 
 class TurnState(IntEnum):
@@ -382,8 +389,11 @@ class Engine:
             import torch
 
             torch.set_num_threads(1)  # codec and tokenizer threads: one core each, no oversubscription
-            dac = DAC.from_dir(model, device=cfg.codec_device)
-            return dac, AudioTokenizer(dac, load_ssl(model, device=cfg.codec_device))
+            device = cfg.codec_device
+            if device == "auto":  # DESIGN: the codec runs on the engine's device
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            dac = DAC.from_dir(model, device=device)
+            return dac, AudioTokenizer(dac, load_ssl(model, device=device))
 
         dac, self._tokenizer = await loop.run_in_executor(self._tok_pool, load_audio)
         self._codec = CodecStage(

@@ -50,6 +50,9 @@ def test_duplex_serve_bad_config_exits_2_naming_the_key(tmp_path):
     bad.write_text("engine:\n  max_conversation: 3\n")
     r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--config", str(bad)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2 and "engine.max_conversation" in r.stderr
+    bad.write_text("engine:\n  codec_device: gpu\n")
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--config", str(bad)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "engine.codec_device" in r.stderr and "'gpu'" in r.stderr
     # a voice file that is not there, or not a WAV: named before the engine starts
     bad.write_text(f"session:\n  voices:\n    narrator: {tmp_path / 'missing.wav'}\n")
     r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--config", str(bad)], capture_output=True, text=True, cwd=REPO, timeout=120)
