@@ -70,11 +70,7 @@ def run(args: argparse.Namespace) -> int:
         f"(config {report.backbone_source}), {report.num_tensors} tensors, {report.dtype}, "
         f"{human_bytes(report.bytes_written)} in {time.monotonic() - t0:.1f} s"
     )
-    if report.dropped:
-        shown = ", ".join(report.dropped[:4]) + (" …" if len(report.dropped) > 4 else "")
-        print(f"dropped {len(report.dropped)}: {shown}")
-    for note in report.notes:
-        print(f"  {note}")
+    _print_dropped_and_notes(report.dropped, report.notes)
     return 0
 
 
@@ -103,9 +99,13 @@ def run_xeus(args: argparse.Namespace) -> int:
         f"features from layer {cfg.output_layer}, {report.num_tensors} tensors, "
         f"{human_bytes(report.bytes_written)} in {time.monotonic() - t0:.1f} s"
     )
-    if report.dropped:
-        shown = ", ".join(report.dropped[:4]) + (" …" if len(report.dropped) > 4 else "")
-        print(f"dropped {len(report.dropped)}: {shown}")
-    for note in report.notes:
-        print(f"  {note}")
+    _print_dropped_and_notes(report.dropped, report.notes)
     return 0
+
+
+def _print_dropped_and_notes(dropped: list[str], notes: list[str]) -> None:
+    if dropped:
+        shown = ", ".join(dropped[:4]) + (" …" if len(dropped) > 4 else "")
+        print(f"dropped {len(dropped)}: {shown}")
+    for note in notes:
+        print(f"  {note}")

@@ -36,7 +36,32 @@ class PaddedConv1d(nn.Conv1d):
         return super().forward(pad1d_reflect(x, padding_total - right, right + extra))
 
 
-class SSLTokenizer(nn.Module):
+class ClusterTokenizer(nn.Module):
+    """Stream 0: features -> the nearest k-means centroid. A kind gives `features`, `context_frames`
+    and a `centroids` buffer [5000, D]."""
+
+    centroids: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.centroids.device
+
+    def features(self, audio: torch.Tensor) -> torch.Tensor:
+        """audio [B, 1, S] -> [B, D, ceil(S / 320)]."""
+        raise NotImplementedError
+
+    def context_frames(self, hop: int, device: torch.device | str) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def quantize(self, features: torch.Tensor) -> torch.Tensor:
+        return nearest_centroid(features, self.centroids)
+
+    @torch.inference_mode()
+    def tokenize(self, audio: torch.Tensor) -> torch.Tensor:
+        return self.quantize(self.features(audio))
+
+
+class SSLTokenizer(ClusterTokenizer):
     """audio [B, 1, S] -> features [B, feature_dim, ceil(S / 320)] -> clusters [B, T] in 0..4999."""
 
     def __init__(self, cfg: SSLConfig) -> None:
@@ -51,10 +76,6 @@ class SSLTokenizer(nn.Module):
         self.extractor = nn.Sequential(*layers)
         self.register_buffer("centroids", torch.zeros(cfg.num_clusters, cfg.feature_dim))
 
-    @property
-    def device(self) -> torch.device:
-        return self.centroids.device
-
     def context_frames(self, hop: int, device: torch.device | str) -> tuple[int, int]:
         """(left, right) frames a streaming window needs around a block: the conv stack's
         receptive field, measured."""
@@ -62,13 +83,6 @@ class SSLTokenizer(nn.Module):
 
     def features(self, audio: torch.Tensor) -> torch.Tensor:
         return self.extractor(audio)
-
-    def quantize(self, features: torch.Tensor) -> torch.Tensor:
-        return nearest_centroid(features, self.centroids)
-
-    @torch.inference_mode()
-    def tokenize(self, audio: torch.Tensor) -> torch.Tensor:
-        return self.quantize(self.features(audio))
 
     @classmethod
     def from_dir(cls, model_dir: pathlib.Path, device: torch.device | str = "cpu") -> SSLTokenizer:
@@ -101,7 +115,7 @@ def ssl_kind(model_dir: pathlib.Path) -> str:
     return kind
 
 
-def load_ssl(model_dir: pathlib.Path, device: torch.device | str = "cpu") -> nn.Module:
+def load_ssl(model_dir: pathlib.Path, device: torch.device | str = "cpu") -> ClusterTokenizer:
     """The stream-0 tokenizer of a model directory, whichever kind it ships."""
     if ssl_kind(model_dir) == "xeus":
         from engine.codec.xeus import XeusTokenizer

@@ -24,8 +24,7 @@ import torch
 
 from engine.codec.dac import DAC
 from engine.codec.receptive import context_frames
-from engine.codec.ssl import SSLTokenizer
-from engine.codec.xeus import XeusTokenizer
+from engine.codec.ssl import ClusterTokenizer
 from engine.vocab import HOP_SAMPLES, NUM_CODEBOOKS, frames_to_global
 
 LstmState = tuple[torch.Tensor, torch.Tensor]
@@ -57,7 +56,7 @@ class TokenizerState:
 
 
 class AudioTokenizer:
-    def __init__(self, dac: DAC, ssl: SSLTokenizer | XeusTokenizer, block_frames: int = 10) -> None:
+    def __init__(self, dac: DAC, ssl: ClusterTokenizer, block_frames: int = 10) -> None:
         self.dac = dac
         self.ssl = ssl
         self.hop = dac.hop_samples

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.codec.config import load_part
-from engine.codec.ssl import nearest_centroid
+from engine.codec.ssl import ClusterTokenizer
 from engine.vocab import HOP_SAMPLES, SAMPLE_RATE_HZ, SSL_SIZE
 
 ESPNET_LAYER_NORM_EPS = 1e-12  # espnet.nets.pytorch_backend.transformer.layer_norm.LayerNorm
@@ -254,7 +254,7 @@ class _Encoder(nn.Module):
         return self.after_norm(x) if self.after_norm is not None else x
 
 
-class XeusTokenizer(nn.Module):
+class XeusTokenizer(ClusterTokenizer):
     """audio [B, 1, S] -> features [B, output_size, ceil(S / 320)] -> clusters [B, T]."""
 
     def __init__(self, cfg: XeusConfig) -> None:
@@ -264,10 +264,6 @@ class XeusTokenizer(nn.Module):
         self.preencoder = _Preencoder(cfg.cnn_channels, cfg.output_size)
         self.encoder = _Encoder(cfg)
         self.register_buffer("centroids", torch.zeros(cfg.num_clusters, cfg.output_size))
-
-    @property
-    def device(self) -> torch.device:
-        return self.centroids.device
 
     def context_frames(self, hop: int, device: torch.device | str) -> tuple[int, int]:
         """(left, right) frames a streaming window needs around a block: configured, since
@@ -285,13 +281,6 @@ class XeusTokenizer(nn.Module):
         if x.shape[1] < want:
             x = torch.cat([x, x[:, -1:].expand(-1, want - x.shape[1], -1)], dim=1)
         return x.transpose(1, 2)
-
-    def quantize(self, features: torch.Tensor) -> torch.Tensor:
-        return nearest_centroid(features, self.centroids)
-
-    @torch.inference_mode()
-    def tokenize(self, audio: torch.Tensor) -> torch.Tensor:
-        return self.quantize(self.features(audio))
 
     @classmethod
     def from_dir(cls, part_dir: pathlib.Path, device: torch.device | str = "cpu") -> XeusTokenizer:
