@@ -244,6 +244,8 @@ def load_state(path: Path) -> dict[str, torch.Tensor]:
         raise ConversionError(f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     if isinstance(obj, dict) and isinstance(obj.get("module"), dict):
         obj = obj["module"]  # DeepSpeed
+    elif isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+        obj = obj["model"]  # an ESPnet training checkpoint (model, optimizers, reporter, ...)
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         keys = list(obj)[:5] if isinstance(obj, dict) else type(obj).__name__
         raise ConversionError(f"{path}: not a state dict of tensors (top level: {keys})")

@@ -330,10 +330,14 @@ def test_cli_bad_inputs_exit_2_with_one_line(xeus_src, tmp_path, capsys) -> None
     assert "output_layer 7 is outside 0..2" in capsys.readouterr().err
 
 
-def test_npy_centroids_accepted(xeus_src, tmp_path) -> None:
-    src, _, km = xeus_src
+def test_npy_centroids_and_a_training_checkpoint_accepted(xeus_src, tmp_path) -> None:
+    """k-means as a .npy of centroids; weights inside an ESPnet training checkpoint's "model"."""
+    src, state, km = xeus_src
     np.save(tmp_path / "km.npy", km.cluster_centers_)
-    report = convert_xeus(src, tmp_path / "m", kmeans=tmp_path / "km.npy", output_layer=BLOCKS - 1)
+    torch.save({"model": state, "optimizers": [{}], "reporter": {}}, tmp_path / "checkpoint.pth")
+    report = convert_xeus(
+        src, tmp_path / "m", checkpoint=tmp_path / "checkpoint.pth", kmeans=tmp_path / "km.npy", output_layer=BLOCKS - 1
+    )
     ssl = XeusTokenizer.from_dir(report.out_dir)
     np.testing.assert_array_equal(ssl.centroids.numpy(), km.cluster_centers_.astype(np.float32))
 
