@@ -23,7 +23,6 @@ import numpy as np
 
 ENGINE_RATE_HZ = 16_000
 OPUS_FRAME_MS = 20
-OPUS_MAX_FRAME_SAMPLES = ENGINE_RATE_HZ * 120 // 1000  # the longest Opus packet: 120 ms
 
 
 class AudioFormatError(ValueError):
@@ -173,6 +172,34 @@ def _int16_from_le_bytes(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i2").astype(np.int16)
 
 
+class OpusDecoder:
+    """One Opus stream -> int16 PCM at `rate_hz`, mono.
+
+    opuslib's `Decoder.decode` turns every decoded sample into a Python int on the way out
+    (`array('h', pointer[:n])`), which cost as much as the decoding itself in the gateway's
+    profile; here libopus writes into one reused numpy buffer instead.
+    """
+
+    def __init__(self, rate_hz: int = ENGINE_RATE_HZ) -> None:
+        import opuslib
+        import opuslib.api.decoder
+
+        self._state = opuslib.Decoder(rate_hz, 1)  # owns the libopus state (freed with it)
+        self._max = rate_hz * 120 // 1000  # the longest Opus packet: 120 ms
+        self._buf = np.empty(self._max, np.int16)
+        self._ptr = self._buf.ctypes.data_as(opuslib.api.c_int16_pointer)
+        self._decode = opuslib.api.decoder.libopus_decode
+
+    def decode(self, payload: bytes) -> np.ndarray:
+        n = self._decode(self._state.decoder_state, payload, len(payload), self._ptr, self._max, 0)
+        if n < 0:
+            import opuslib.api.info
+
+            detail = opuslib.api.info.strerror(n)
+            raise AudioFormatError(f"corrupt Opus packet ({detail.decode() if isinstance(detail, bytes) else detail})")
+        return self._buf[:n].copy()
+
+
 class InputDecoder:
     """Wire payloads of one format -> int16 PCM at 16 kHz."""
 
@@ -180,22 +207,14 @@ class InputDecoder:
         self.format = fmt
         self._opus = None
         if fmt is WireFormat.OPUS:
-            import opuslib
-
-            self._opus = opuslib.Decoder(ENGINE_RATE_HZ, 1)
+            self._opus = OpusDecoder(ENGINE_RATE_HZ)
             self._resampler = None
         else:
             self._resampler = StreamResampler(fmt.rate_hz, ENGINE_RATE_HZ)
 
     def decode(self, payload: bytes) -> np.ndarray:
         if self._opus is not None:
-            import opuslib
-
-            try:
-                return np.frombuffer(self._opus.decode(payload, OPUS_MAX_FRAME_SAMPLES), dtype="<i2").astype(np.int16)
-            except opuslib.OpusError as e:
-                detail = e.message.decode() if isinstance(getattr(e, "message", None), bytes) else str(e)
-                raise AudioFormatError(f"corrupt Opus packet ({detail})") from None
+            return self._opus.decode(payload)
         if self.format is WireFormat.PCM16:
             pcm = _int16_from_le_bytes(payload)
         elif self.format is WireFormat.PCMU:

@@ -79,6 +79,21 @@ def test_opus_round_trip_20ms_frames():
     assert _snr_db(src[1000:15000], got[1000 + lag : 15000 + lag]) > 10  # lossy codec: waveform SNR > 10 dB
 
 
+def test_opus_decoder_equals_opuslib_sample_for_sample():
+    """The reused-buffer decoder returns exactly what opuslib's own `Decoder.decode` returns."""
+    import opuslib
+
+    enc = A.OutputEncoder(A.WireFormat.OPUS)
+    packets = enc.encode(_sine(300, 16_000, 500)) + enc.flush()
+    ours, theirs = A.OpusDecoder(16_000), opuslib.Decoder(16_000, 1)
+    for p in packets:
+        got = ours.decode(p)
+        want = np.frombuffer(theirs.decode(p, 1920), dtype="<i2")
+        assert got.dtype == np.int16 and got.size == 320
+        np.testing.assert_array_equal(got, want)
+    assert ours.decode(packets[0]) is not ours.decode(packets[1])  # each call owns its samples
+
+
 def test_corrupt_opus_and_odd_pcm_raise_format_errors():
     with pytest.raises(A.AudioFormatError, match="Opus"):
         A.InputDecoder(A.WireFormat.OPUS).decode(b"\xff\xff\xff\x00garbage")
