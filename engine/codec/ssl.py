@@ -90,7 +90,6 @@ class SSLTokenizer(ClusterTokenizer):
         return load_part(cls, SSLConfig, pathlib.Path(model_dir) / SSL_SUBDIR, "SSL").to(device)
 
 
-
 def nearest_centroid(features: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """features [B, D, T] -> index of the nearest centroid (Euclidean) [B, T]: the fork's cdist
     argmin and sklearn's `KMeans.predict`, as one matmul."""

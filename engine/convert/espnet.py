@@ -321,6 +321,7 @@ def convert_espnet(
     src, out = Path(src_dir), Path(out_dir)
     if xeus_dir is not None and not Path(xeus_dir).is_dir():
         raise ConversionError(f"--xeus {xeus_dir} is not a directory")
+    _check_xeus_inputs(Path(xeus_dir) if xeus_dir else src / "xeus" if (src / "xeus").is_dir() else None)
     if dtype not in DTYPES:
         raise ConversionError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not src.is_dir():
@@ -393,6 +394,15 @@ def find_tokenizer(
         )
     files = {name: path for name, path in found.items() if path is not None}
     return files, f"text tokenizer: {tag!r} ({size} ids) -> {TOKENIZER_SUBDIR}/"
+
+
+def _check_xeus_inputs(xeus: Path | None) -> None:
+    """Before anything is written: the XEUS files must be there (their contents are checked later)."""
+    from engine.convert.xeus import RELEASE_CHECKPOINT, RELEASE_KMEANS
+
+    for rel in (RELEASE_CHECKPOINT, RELEASE_KMEANS) if xeus is not None else ():
+        if not (xeus / rel).is_file():
+            raise ConversionError(f"{xeus / rel} not found: {xeus} is not an espnet/xeus snapshot")
 
 
 def _ssl_notes(src: Path, out: Path, xeus_dir: Path | None, xeus_layer: int) -> list[str]:

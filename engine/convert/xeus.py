@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from engine.codec.config import CONFIG_NAME, WEIGHTS_NAME, save_config
+from engine.codec.ssl import SSL_SUBDIR
 from engine.codec.xeus import XeusConfig, XeusTokenizer
 from engine.convert.errors import ConversionError
 from engine.convert.stream_write import PageDropper, write_safetensors
@@ -38,7 +39,6 @@ from engine.vocab import SSL_SIZE
 RELEASE_CHECKPOINT = "model/xeus_checkpoint_new.pth"
 RELEASE_KMEANS = "model/km_opus_lm.mdl"
 RELEASE_CONFIG = "model/config.yaml"
-SSL_SUBDIR = "ssl"
 
 _KEPT = ("frontend.", "preencoder.", "encoder.")
 _BLOCK = re.compile(r"^encoder\.encoders\.(\d+)\.")
@@ -87,8 +87,7 @@ def convert_xeus(
     sources, dropped = plan_tensors(state, cfg, str(ckpt))
     centroids = load_centroids(km, cfg.output_size)
 
-    shapes = {name: tuple(t.shape) for name, t in XeusTokenizer(cfg).state_dict().items()}
-    shapes.pop("centroids")
+    shapes = expected_shapes(cfg)
     out_model_dir = Path(out_model_dir)
     out_model_dir.mkdir(parents=True, exist_ok=True)
     final = out_model_dir / SSL_SUBDIR
@@ -98,7 +97,6 @@ def convert_xeus(
     names = sorted(sources)
     items = [(n, _getter(state, sources[n])) for n in names]
     items.append(("centroids", lambda: centroids))
-    shapes["centroids"] = tuple(centroids.shape)
     # fp32 always: the tokenizer runs in fp32 and a bf16 copy of the centroids would flip near-ties
     nbytes = write_safetensors(tmp / WEIGHTS_NAME, items, shapes, torch.float32, PageDropper(ckpt))
     save_config(cfg, tmp / CONFIG_NAME)
@@ -108,6 +106,14 @@ def convert_xeus(
     tmp.rename(final)
     notes.append(f"k-means: {centroids.shape[0]} centroids of {centroids.shape[1]} from {km}")
     return XeusReport(final, cfg, len(items), nbytes, dropped, notes)
+
+
+def expected_shapes(cfg: XeusConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of our module, by name: built on the meta device, so the 574 M-parameter
+    release costs no memory here."""
+    with torch.device("meta"):
+        module = XeusTokenizer(cfg)
+    return {name: tuple(t.shape) for name, t in module.state_dict().items()}
 
 
 def _getter(state: dict[str, torch.Tensor], key: str):
@@ -212,7 +218,7 @@ def map_key(name: str, cfg: XeusConfig | None) -> str | None:
 
 def plan_tensors(state: dict[str, torch.Tensor], cfg: XeusConfig, source: str) -> tuple[dict[str, str], list[str]]:
     """{our name: checkpoint key} covering our module exactly, and the dropped keys."""
-    want = {n: tuple(t.shape) for n, t in XeusTokenizer(cfg).state_dict().items() if n != "centroids"}
+    want = {n: shape for n, shape in expected_shapes(cfg).items() if n != "centroids"}
     sources: dict[str, str] = {}
     dropped: list[str] = []
     for key, tensor in state.items():

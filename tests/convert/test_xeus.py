@@ -355,3 +355,6 @@ def test_espnet_conversion_takes_xeus_along(xeus_src, tmp_path, espnet_layout, c
     assert isinstance(load_ssl(out), XeusTokenizer)
     assert cli_main(["convert", "espnet", str(exp), str(tmp_path / "out2"), "--xeus", str(tmp_path / "none")]) == 2
     assert "--xeus" in capsys.readouterr().err and not (tmp_path / "out2").exists()
+    (exp / "xeus" / "model" / "km_opus_lm.mdl").unlink()  # refused before the LM is written
+    assert cli_main(["convert", "espnet", str(exp), str(tmp_path / "out3"), "--xeus-layer", "2"]) == 2
+    assert "km_opus_lm.mdl not found" in capsys.readouterr().err and not (tmp_path / "out3").exists()
