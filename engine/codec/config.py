@@ -152,17 +152,25 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
-def load_part(module_cls, config_cls: type, part_dir: pathlib.Path, what: str):
+def load_part(module_cls, config_cls: type, part_dir: pathlib.Path, what: str, *, meta_init: bool = False):
     """Build `module_cls(config)` from `part_dir/config.json` and load `part_dir/model.safetensors`
-    exactly (a missing or unexpected tensor is an error naming it). Returns the module in eval mode."""
+    exactly (a missing or unexpected tensor is an error naming it). Returns the module in eval mode.
+
+    `meta_init`: build the module without memory and take the loaded tensors as its parameters
+    (for large parts; only for modules whose every tensor is in the state dict)."""
+    import torch
     from safetensors.torch import load_file
 
     cfg = load_config(config_cls, part_dir / CONFIG_NAME)
     weights_path = part_dir / WEIGHTS_NAME
     if not weights_path.is_file():
         raise ValueError(f"{what} weights {weights_path} do not exist")
-    model = module_cls(cfg)
-    missing, unexpected = model.load_state_dict(load_file(str(weights_path)), strict=False)
+    if meta_init:
+        with torch.device("meta"):
+            model = module_cls(cfg)
+    else:
+        model = module_cls(cfg)
+    missing, unexpected = model.load_state_dict(load_file(str(weights_path)), strict=False, assign=meta_init)
     if missing or unexpected:
         raise ValueError(f"{weights_path}: missing keys {missing[:3]}, unexpected keys {unexpected[:3]}")
     return model.eval()

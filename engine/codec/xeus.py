@@ -284,4 +284,5 @@ class XeusTokenizer(ClusterTokenizer):
 
     @classmethod
     def from_dir(cls, part_dir: pathlib.Path, device: torch.device | str = "cpu") -> XeusTokenizer:
-        return load_part(cls, XeusConfig, pathlib.Path(part_dir), "SSL (XEUS)").to(device)
+        # meta init: the release's 574 M random parameters would double the load's memory and time
+        return load_part(cls, XeusConfig, pathlib.Path(part_dir), "SSL (XEUS)", meta_init=True).to(device)
