@@ -3,9 +3,10 @@
 Builds (in a temp dir) an fp32 ESPnet OpusLM checkpoint with the dialogue model's vocabulary
 (62,670 ids) and hidden size (2048) but only a few layers, converts it to bf16 in a child
 process (the CLI, exactly as a user runs it), and prints the child's peak RSS next to the
-checkpoint size. Not a test: nothing is asserted.
+checkpoint size. With --xeus: the same for `duplex convert xeus` on a random XEUS of the released
+size (574 M parameters, 2.1 GiB fp32, ESPnet's names). Not a test: nothing is asserted.
 
-    python scripts/convert_rss.py [--layers 4] [--keep DIR]
+    python scripts/convert_rss.py [--layers 4] [--xeus] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -67,29 +68,74 @@ def build(exp: Path, layers: int) -> int:
     return (exp / "model.pth").stat().st_size
 
 
+def build_xeus(src: Path) -> int:
+    """An espnet/xeus-like snapshot with random weights of the release's shapes."""
+    import numpy as np
+
+    from engine.codec.xeus import XeusConfig
+    from engine.convert.xeus import RELEASE_CHECKPOINT, RELEASE_CONFIG, RELEASE_KMEANS, expected_shapes
+
+    (src / "model").mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    sd = {}
+    for name, shape in expected_shapes(XeusConfig()).items():
+        if name != "centroids":
+            name = name.replace("parametrizations.weight.original0", "weight_g")
+            sd[name.replace("parametrizations.weight.original1", "weight_v")] = 0.02 * torch.randn(shape, generator=gen)
+    sd["final_proj.weight"] = 0.02 * torch.randn(768, 1024, generator=gen)  # training-only: dropped
+    torch.save(sd, src / RELEASE_CHECKPOINT)
+    del sd
+    np.save(src / "km.npy", np.random.default_rng(0).standard_normal((vocab.SSL_SIZE, 1024)).astype(np.float32))
+    (src / RELEASE_KMEANS).write_bytes(b"")  # present for the layout; --kmeans km.npy is used
+    (src / RELEASE_CONFIG).write_text(yaml.safe_dump({"encoder": "e_branchformer", "encoder_conf": {"attention_heads": 8}}))
+    return (src / RELEASE_CHECKPOINT).stat().st_size
+
+
+def run_child(argv: list[str]) -> tuple[list[str], int]:
+    """The CLI in a child process: its output lines and its own peak RSS (KiB).
+
+    The child reports its own VmHWM: getrusage's maxrss would include this (large) parent's
+    pages, which a vfork-ed child carries until exec."""
+    child = (
+        "import sys; from engine.cli import main; rc = main(sys.argv[1:]); "
+        "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]; "
+        "print('VMHWM_KIB', hwm.split()[1]); sys.exit(rc)"
+    )
+    res = subprocess.run([sys.executable, "-c", child, *argv], check=True, capture_output=True, text=True)
+    lines = res.stdout.splitlines()
+    peak_kib = int(next(line.split()[1] for line in lines if line.startswith("VMHWM_KIB")))
+    return [line for line in lines if not line.startswith("VMHWM_KIB")], peak_kib
+
+
+def main_xeus(root: Path) -> None:
+    t0 = time.monotonic()
+    size = build_xeus(root / "xeus")
+    print(f"built {size / 2**30:.2f} GiB fp32 XEUS checkpoint in {time.monotonic() - t0:.1f} s")
+    t0 = time.monotonic()
+    lines, peak_kib = run_child(["convert", "xeus", str(root / "xeus"), str(root / "out"), "--kmeans", str(root / "xeus" / "km.npy")])
+    print("\n".join(lines))
+    print(f"converted in {time.monotonic() - t0:.1f} s")
+    print(f"converter peak RSS: {peak_kib / 2**20:.2f} GiB ({peak_kib / 1024:.0f} MiB) "
+          f"for a {size / 2**30:.2f} GiB checkpoint")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4, help="4 layers: ~2.1 GB fp32")
     ap.add_argument("--keep", type=Path, help="build here instead of a temp dir (kept)")
+    ap.add_argument("--xeus", action="store_true", help="measure `duplex convert xeus` on a release-sized XEUS instead")
     args = ap.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="convert-rss-"))
     try:
+        if args.xeus:
+            main_xeus(root)
+            return 0
         t0 = time.monotonic()
         size = build(root / "exp", args.layers)
         print(f"built {size / 2**30:.2f} GiB fp32 ESPnet checkpoint in {time.monotonic() - t0:.1f} s")
         t0 = time.monotonic()
-        # The child reports its own VmHWM: getrusage's maxrss would include this (large)
-        # parent's pages, which a vfork-ed child carries until exec.
-        child = (
-            "import sys; from engine.cli import main; rc = main(sys.argv[1:]); "
-            "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]; "
-            "print('VMHWM_KIB', hwm.split()[1]); sys.exit(rc)"
-        )
-        argv = ["convert", "espnet", str(root / "exp"), str(root / "out"), "--dtype", "bf16"]
-        res = subprocess.run([sys.executable, "-c", child, *argv], check=True, capture_output=True, text=True)
-        lines = res.stdout.splitlines()
-        print("\n".join(line for line in lines if not line.startswith("VMHWM_KIB")))
-        peak_kib = int(next(line.split()[1] for line in lines if line.startswith("VMHWM_KIB")))
+        lines, peak_kib = run_child(["convert", "espnet", str(root / "exp"), str(root / "out"), "--dtype", "bf16"])
+        print("\n".join(lines))
         out = (root / "out" / "model.safetensors").stat().st_size
         print(f"converted to {out / 2**30:.2f} GiB bf16 in {time.monotonic() - t0:.1f} s")
         print(f"converter peak RSS: {peak_kib / 2**20:.2f} GiB ({peak_kib / 1024:.0f} MiB) "
