@@ -1,10 +1,11 @@
 """XEUS (ESPnet's multilingual SSL encoder) as the stream-0 tokenizer of the real OpusLM models.
 
-OpusLM's stream 0 is the k-means cluster (5000 clusters) of XEUS features: ESPnet's feature
-reader takes `encode(wav, lens, use_mask=False)[0][layer]` with layer 18, i.e. the 19th entry
-of the per-block outputs, whose last entry is the encoder's final output. For the 19-block
-release that is the final output. Module and parameter names follow ESPnet's checkpoint so the
-converter (engine/convert/xeus.py) only strips prefixes and renames old-style weight norm.
+OpusLM's stream 0 is the k-means cluster (5000 clusters) of XEUS features at layer 18. ESPnet's
+SSL `encode(...)` returns the per-block outputs with the last one replaced by the final output
+(after `after_norm`); the k-means recipes' reader takes entry `[layer]`, the espnet/vllm fork
+`[18]` and ESPnet's speechlm tokenizer `[-1]`, which for the 19-block release are all the final
+output. Module and parameter names follow ESPnet's checkpoint so the converter
+(engine/convert/xeus.py) only strips prefixes and renames old-style weight norm.
 
 The network, in ESPnet's order:
 - waveform normalised to zero mean, unit variance (`F.layer_norm(wav, wav.shape)`; ESPnet does
