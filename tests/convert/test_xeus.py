@@ -13,6 +13,7 @@ from the state dict (no module of ours), and `KMeans.predict` assigns the cluste
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 from pathlib import Path
@@ -225,7 +226,9 @@ def test_earlier_layer_drops_later_blocks(xeus_src, tmp_path, capsys) -> None:
     make_tiny_codec(tmp_path, seed=0)
     assert cli_main(["convert", "xeus", str(src), str(tmp_path), "--layer", "1"]) == 0
     out = capsys.readouterr().out
-    assert "encoder.encoders.2." in out or "dropped" in out
+    past = [k for k in state if k.startswith(("encoder.encoders.2.", "encoder.after_norm."))]
+    training = [k for k in state if not k.startswith(("frontend.", "preencoder.", "encoder."))]
+    assert f"dropped {len(past) + len(training)}:" in out  # block 2, after_norm, training-only
     ssl = load_ssl(tmp_path)
     assert len(ssl.encoder.encoders) == 2 and ssl.encoder.after_norm is None
     wav = speech_like(1.0, seed=3)
@@ -238,7 +241,7 @@ def test_streaming_window_covering_the_turn_equals_offline_espnet(xeus_src, xeus
     """With context reaching over the whole turn, streamed stream-0 tokens are ESPnet's offline ones."""
     _, state, km = xeus_src
     ssl = load_ssl(xeus_model)
-    wide = XeusTokenizer(ssl.cfg.__class__(**{**ssl.cfg.__dict__, "left_context_frames": 200, "right_context_frames": 200}))
+    wide = XeusTokenizer(dataclasses.replace(ssl.cfg, left_context_frames=200, right_context_frames=200))
     wide.load_state_dict(ssl.state_dict())
     tok = AudioTokenizer(DAC.from_dir(xeus_model), wide.eval())
     wav = speech_like(1.5, seed=4)
@@ -252,8 +255,7 @@ def test_streaming_window_covering_the_turn_equals_offline_espnet(xeus_src, xeus
         tok.step([state_])
     frames = tok.take(state_)
     ref = padded(espnet_features(state, wav, BLOCKS - 1), len(wav))
-    want = km.predict(ref.numpy())
-    assert len(frames) == len(want)
+    assert len(frames) == len(ref)
     assert_nearest(frames[:, 0] - vocab.SSL_OFFSET, ref, km)
 
 
