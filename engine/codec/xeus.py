@@ -242,11 +242,8 @@ class _Encoder(nn.Module):
         self.embed = nn.Sequential(_ConvPositionalEmbedding(cfg.output_size, cfg.pos_conv_kernel, cfg.pos_conv_groups))
         # blocks past the output layer are never run, so they are not built (the converter drops them)
         self.encoders = nn.ModuleList(_EBranchformerBlock(cfg) for _ in range(cfg.output_layer + 1))
-        self.final = cfg.output_layer == cfg.num_blocks - 1
-        if cfg.after_norm and self.final:
-            self.after_norm = _EspnetLayerNorm(cfg.output_size)
-        else:
-            self.after_norm = None
+        final = cfg.output_layer == cfg.num_blocks - 1  # after_norm belongs to the final output only
+        self.after_norm = _EspnetLayerNorm(cfg.output_size) if cfg.after_norm and final else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)

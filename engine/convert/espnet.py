@@ -321,7 +321,11 @@ def convert_espnet(
     src, out = Path(src_dir), Path(out_dir)
     if xeus_dir is not None and not Path(xeus_dir).is_dir():
         raise ConversionError(f"--xeus {xeus_dir} is not a directory")
-    _check_xeus_inputs(Path(xeus_dir) if xeus_dir else src / "xeus" if (src / "xeus").is_dir() else None)
+    xeus = Path(xeus_dir) if xeus_dir else (src / "xeus" if (src / "xeus").is_dir() else None)
+    if xeus is not None:
+        from engine.convert.xeus import xeus_inputs
+
+        xeus_inputs(xeus)  # before anything is written (the contents are checked later)
     if dtype not in DTYPES:
         raise ConversionError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not src.is_dir():
@@ -369,7 +373,7 @@ def convert_espnet(
         report.notes.append(f"codec: {len(codec[1])} tensors from {codec_src} -> codec/")
     else:
         report.notes.append("no codec/ in the source: codec/ not written (the LM alone still loads)")
-    report.notes += _ssl_notes(src, out, Path(xeus_dir) if xeus_dir else None, xeus_layer)
+    report.notes += _ssl_notes(src, out, xeus, xeus_layer)
     return report
 
 
@@ -396,21 +400,11 @@ def find_tokenizer(
     return files, f"text tokenizer: {tag!r} ({size} ids) -> {TOKENIZER_SUBDIR}/"
 
 
-def _check_xeus_inputs(xeus: Path | None) -> None:
-    """Before anything is written: the XEUS files must be there (their contents are checked later)."""
-    from engine.convert.xeus import RELEASE_CHECKPOINT, RELEASE_KMEANS
-
-    for rel in (RELEASE_CHECKPOINT, RELEASE_KMEANS) if xeus is not None else ():
-        if not (xeus / rel).is_file():
-            raise ConversionError(f"{xeus / rel} not found: {xeus} is not an espnet/xeus snapshot")
-
-
-def _ssl_notes(src: Path, out: Path, xeus_dir: Path | None, xeus_layer: int) -> list[str]:
-    """The stream-0 tokenizer: XEUS + k-means converted (engine/convert/xeus.py) from `xeus_dir`
-    or `src/xeus`, else our-format `src/ssl/` copied, else a note saying how to add it."""
+def _ssl_notes(src: Path, out: Path, xeus: Path | None, xeus_layer: int) -> list[str]:
+    """The stream-0 tokenizer: XEUS + k-means converted (engine/convert/xeus.py) from `xeus`
+    (`--xeus` or `src/xeus`), else our-format `src/ssl/` copied, else a note saying how to add it."""
     from engine.convert.xeus import convert_xeus
 
-    xeus = xeus_dir or (src / "xeus" if (src / "xeus").is_dir() else None)
     if xeus is not None:
         report = convert_xeus(xeus, out, output_layer=xeus_layer)
         return [

@@ -71,11 +71,7 @@ def convert_xeus(
     from engine.convert.espnet import load_state, read_yaml
 
     src = Path(src)
-    ckpt = Path(checkpoint) if checkpoint else src / RELEASE_CHECKPOINT
-    km = Path(kmeans) if kmeans else src / RELEASE_KMEANS
-    for path, what in ((ckpt, "XEUS checkpoint"), (km, "k-means model")):
-        if not path.is_file():
-            raise ConversionError(f"{what} {path} not found (expected the espnet/xeus layout or an explicit path)")
+    ckpt, km = xeus_inputs(src, checkpoint, kmeans)
     yaml_path = Path(config_yaml) if config_yaml else (src / RELEASE_CONFIG if (src / RELEASE_CONFIG).is_file() else None)
     espnet_conf = read_yaml(yaml_path) if yaml_path else {}
 
@@ -106,6 +102,17 @@ def convert_xeus(
     tmp.rename(final)
     notes.append(f"k-means: {centroids.shape[0]} centroids of {centroids.shape[1]} from {km}")
     return XeusReport(final, cfg, len(items), nbytes, dropped, notes)
+
+
+def xeus_inputs(src: Path, checkpoint: Path | None = None, kmeans: Path | None = None) -> tuple[Path, Path]:
+    """The XEUS checkpoint and k-means files (explicit, else the espnet/xeus layout under `src`);
+    refused when either is missing."""
+    ckpt = Path(checkpoint) if checkpoint else Path(src) / RELEASE_CHECKPOINT
+    km = Path(kmeans) if kmeans else Path(src) / RELEASE_KMEANS
+    for path, what in ((ckpt, "XEUS checkpoint"), (km, "k-means model")):
+        if not path.is_file():
+            raise ConversionError(f"{what} {path} not found (expected the espnet/xeus layout or an explicit path)")
+    return ckpt, km
 
 
 def expected_shapes(cfg: XeusConfig) -> dict[str, tuple[int, ...]]:

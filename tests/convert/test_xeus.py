@@ -174,6 +174,19 @@ def assert_nearest(clusters: np.ndarray, feats: torch.Tensor, km: MiniBatchKMean
     assert (clusters == km.predict(feats.numpy())).mean() >= 0.9
 
 
+def stream(tok: AudioTokenizer, pieces: list[np.ndarray]) -> np.ndarray:
+    """Frames of one session fed piece by piece, tokenized as soon as each block is ready."""
+    state = tok.new_state()
+    for piece in pieces:
+        tok.push(state, piece)
+        while tok.ready(state):
+            tok.step([state])
+    tok.finish(state)
+    while tok.ready(state):
+        tok.step([state])
+    return tok.take(state)
+
+
 @pytest.fixture(scope="module")
 def xeus_src(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor], MiniBatchKMeans]:
     """An espnet/xeus-like snapshot: model/{xeus_checkpoint_new.pth, km_opus_lm.mdl, config.yaml}."""
@@ -245,15 +258,7 @@ def test_streaming_window_covering_the_turn_equals_offline_espnet(xeus_src, xeus
     wide.load_state_dict(ssl.state_dict())
     tok = AudioTokenizer(DAC.from_dir(xeus_model), wide.eval())
     wav = speech_like(1.5, seed=4)
-    state_ = tok.new_state()
-    for piece in np.array_split(wav, 7):
-        tok.push(state_, piece)
-        while tok.ready(state_):
-            tok.step([state_])
-    tok.finish(state_)
-    while tok.ready(state_):
-        tok.step([state_])
-    frames = tok.take(state_)
+    frames = stream(tok, np.array_split(wav, 7))
     ref = padded(espnet_features(state, wav, BLOCKS - 1), len(wav))
     assert len(frames) == len(ref)
     assert_nearest(frames[:, 0] - vocab.SSL_OFFSET, ref, km)
@@ -266,16 +271,8 @@ def test_streaming_is_independent_of_how_audio_arrives(xeus_model) -> None:
     wav = speech_like(3.0, seed=6)
     whole = tok.tokenize(wav)
     rng = np.random.default_rng(1)
-    state = tok.new_state()
     cuts = np.sort(rng.choice(len(wav), 11, replace=False))
-    for piece in np.split(wav, cuts):
-        tok.push(state, piece)
-        while tok.ready(state):
-            tok.step([state])
-    tok.finish(state)
-    while tok.ready(state):
-        tok.step([state])
-    np.testing.assert_array_equal(tok.take(state), whole)
+    np.testing.assert_array_equal(stream(tok, np.split(wav, cuts)), whole)
     assert len(whole) == -(-len(wav) // vocab.HOP_SAMPLES)
 
 
