@@ -1,9 +1,11 @@
 """OpusLM output heads: stream k's logits = lm_head(h + head_emb[k]), restricted to its range.
 
 Since lm_head is linear, lm_head(h + e_k) = lm_head(h) + lm_head(e_k): the per-stream vector only
-adds a constant bias over the stream's own ids. So one projection of h plus a bias precomputed
-once from the weights (`stream_bias`) gives every stream's logits -- one matmul for 9 streams, and
-the vLLM model uses vLLM's own lm_head kernel for it.
+adds a constant bias over the stream's own ids. So one projection of h with a bias precomputed
+once from the weights (`stream_bias`) gives every stream's logits -- one GEMM for 9 streams, the
+bias fused into it, and the vLLM model uses vLLM's own GEMM kernel for it. Only lm_head's audio
+rows [0, AUDIO_END) are projected: this engine samples no text, and for the released models,
+whose text vocabulary is ten times the audio one, the text rows would be most of the head's cost.
 
 Shared by the vLLM model and the reference so both apply the same masks.
 """
@@ -38,15 +40,16 @@ def stream_bias(lm_head: torch.Tensor, head_emb: torch.Tensor) -> torch.Tensor:
     return bias
 
 
-def project(h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-    """lm_head(h) over the whole vocabulary, float32 (the vLLM model uses vLLM's kernel instead)."""
-    return torch.nn.functional.linear(h, lm_head).float()
+def project(h: torch.Tensor, lm_head: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Every stream's logits [rows, AUDIO_END] float32: lm_head's audio rows + `stream_bias`.
+
+    (The vLLM model computes the same with vLLM's GEMM kernel.)"""
+    return torch.nn.functional.linear(h, lm_head[:AUDIO_END], bias.to(lm_head.dtype)).float()
 
 
-def aux_logits(projected: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """[rows, 8, 1024] logits of streams 1-8 over their own codebook blocks."""
-    dac = projected[:, vocab.DAC_OFFSET : AUDIO_END] + bias[vocab.DAC_OFFSET :]
-    return dac.view(-1, vocab.NUM_CODEBOOKS, vocab.CODEBOOK_SIZE)
+def aux_logits(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, 8, 1024] logits of streams 1-8 over their own codebook blocks (a view)."""
+    return logits[:, vocab.DAC_OFFSET : AUDIO_END].view(-1, vocab.NUM_CODEBOOKS, vocab.CODEBOOK_SIZE)
 
 
 # Stream 0 emits only ids below this in an audio segment (specials, SSL); its logits stop here, so
@@ -54,18 +57,17 @@ def aux_logits(projected: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 STREAM0_WIDTH = _SSL_HI
 
 
-def stream0_logits_(projected: torch.Tensor, bias: torch.Tensor, rules: np.ndarray) -> torch.Tensor:
-    """Stream 0's logits [rows, STREAM0_WIDTH], written over `projected` (take `aux_logits` first).
+def stream0_logits_(logits: torch.Tensor, rules: np.ndarray) -> torch.Tensor:
+    """Stream 0's logits [rows, STREAM0_WIDTH], written over `logits` (take `aux_logits` first).
 
     Stream 0 samples SSL ids, plus EOS where the rule allows it; everything else is -inf, and a
     forced row gets a single finite entry, so any sampler (greedy or not) picks it. Working in
     place saves passes over a [rows, vocab] tensor per step.
     """
-    out = projected[:, :STREAM0_WIDTH]
+    out = logits[:, :STREAM0_WIDTH]
     rules_t = torch.from_numpy(np.asarray(rules, dtype=np.int64)).to(out.device)
-    eos = torch.where(rules_t == Stream0Rule.SSL_OR_EOS, out[:, vocab.SOS_EOS] + bias[vocab.SOS_EOS], float("-inf"))
+    eos = torch.where(rules_t == Stream0Rule.SSL_OR_EOS, out[:, vocab.SOS_EOS], float("-inf"))
     out[:, :_SSL_LO] = float("-inf")
-    out[:, _SSL_LO:] += bias[_SSL_LO:STREAM0_WIDTH]
     out[:, vocab.SOS_EOS] = eos
     forced = np.nonzero(np.asarray(rules) >= Stream0Rule.FORCE_EOS)[0]
     if len(forced):

@@ -161,9 +161,9 @@ class ReferenceOpusLM:
             # the heads are linear in h, so merging every stream's logits = projecting the merged
             # hidden state (the vLLM model does the same; engine/cfg.py)
             h = cfg.merge(hs[0], hs[1], scale) if guided else hs[0]
-            projected = heads.project(h, lm_head)
-            codes = sample_rows(heads.aux_logits(projected, self._head_bias), [samp], [gen_aux])
-            logits0 = heads.stream0_logits_(projected, self._head_bias, rule)
+            logits = heads.project(h, lm_head, self._head_bias)
+            codes = sample_rows(heads.aux_logits(logits), [samp], [gen_aux])
+            logits0 = heads.stream0_logits_(logits, rule)
             active = delay.aux_active(np.array([s]), np.array([eos_step]))
             tok0 = int(sample_rows(logits0, [samp], [gen0])[0])
             step = np.concatenate([[tok0], heads.aux_ids(codes.cpu().numpy(), active)[0]])

@@ -20,8 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm, dispatch_unquantized_gemm
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
+from vllm.platforms import current_platform
 
 from engine import cfg, heads
 from engine.checkpoint import NUM_HEAD_EMB
@@ -45,7 +47,7 @@ class OpusLMForCausalLM(nn.Module):
         )
         self.head_emb = nn.Embedding(NUM_HEAD_EMB, config.hidden_size)
         self.streams = StreamStateStore()
-        self._head_bias: torch.Tensor | None = None  # heads.stream_bias, once weights are loaded
+        self._audio_head: nn.Module | None = None  # built once the weights are loaded
         self._batch: StepBatch | None = None  # set by the runner for one forward
         self.step_pairs: CfgPairs = NO_PAIRS  # this step's CFG pairs (the runner copies stream 0)
 
@@ -90,21 +92,26 @@ class OpusLMForCausalLM(nn.Module):
             inputs_embeds = self.embed_input_ids(input_ids)
             if self._batch is not None:
                 aux = self.streams.gather_aux(self._batch, input_ids.shape[0])
-                aux_t = torch.from_numpy(aux).to(input_ids.device, non_blocking=True)
-                # one fused gather-and-sum over the 8 aux streams of every token
-                table = self.model.embed_tokens.weight
-                inputs_embeds = inputs_embeds + nn.functional.embedding_bag(aux_t, table, mode="sum")
+                inputs_embeds = inputs_embeds + self._aux_embedding_sum(aux)
         # Always pass embeddings: a backbone that sometimes sees ids and sometimes embeddings
         # cannot be traced once by torch.compile.
         return self.model(None, positions, intermediate_tensors, inputs_embeds)
+
+    def _aux_embedding_sum(self, aux: np.ndarray) -> torch.Tensor:
+        """[tokens, H]: the sum of each token's 8 aux-stream embeddings."""
+        table = self.model.embed_tokens.weight
+        if table.device.type == "cpu" and table.dtype == torch.float32:
+            # numpy's gather-and-sum of a few hundred rows runs inline; torch's embedding_bag
+            # is an OpenMP region whose thread hand-off costs more than the sum on a busy CPU
+            return torch.from_numpy(table.detach().numpy()[aux].sum(axis=1))
+        aux_t = torch.from_numpy(aux).to(table.device, non_blocking=True)
+        return nn.functional.embedding_bag(aux_t, table, mode="sum")  # one fused gather-and-sum
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch, self._batch = self._batch, None
         if batch is None or hidden_states.shape[0] != batch.num_rows:
             # profiling / dummy runs: plain logits, nothing recorded
-            return self._project(hidden_states)[:, : self.vocab_size].float()
-        if self._head_bias is None:
-            self._head_bias = heads.stream_bias(self.lm_head.weight, self.head_emb.weight)
+            return self.lm_head.quant_method.apply(self.lm_head, hidden_states)[:, : self.vocab_size].float()
         plan = self.streams.plan(batch)
         pairs = self.step_pairs = self.streams.cfg_pairs(batch, plan)
         rows_of, rules = None, plan.rules  # rows_of: batch row -> row of `projected`
@@ -117,16 +124,31 @@ class OpusLMForCausalLM(nn.Module):
             self.streams.commit(batch, plan, self._sample_aux(batch, plan, projected, commit, pairs, rows_of))
         else:
             self.streams.step_aux = {}
-        logits0 = heads.stream0_logits_(projected, self._head_bias, rules)
+        logits0 = heads.stream0_logits_(projected, rules)
         if rows_of is None:
             return logits0.contiguous()  # vLLM's CPU sampling kernels read rows densely
         # one row per batch row again: a shadow's is its main's (the runner overwrites its sample)
         return logits0.index_select(0, torch.from_numpy(rows_of).to(logits0.device))
 
     def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # vLLM's own lm_head kernel (oneDNN on CPU, cuBLAS on CUDA): all 9 streams come out of
-        # this one projection plus a per-stream bias (engine/heads.py)
-        return self.lm_head.quant_method.apply(self.lm_head, hidden_states)
+        """Every stream's logits [rows, AUDIO_END] (heads.project), with vLLM's GEMM kernel."""
+        if self._audio_head is None:
+            self._audio_head = self._make_audio_head()
+        head = self._audio_head
+        return dispatch_unquantized_gemm()(head, hidden_states, head.weight, head.bias)
+
+    def _make_audio_head(self) -> nn.Module:
+        """lm_head's audio rows with the per-stream bias fused (heads.py), in vLLM's GEMM.
+
+        On a CPU, vLLM prepacks a weight into a oneDNN handle when the model is loaded; this
+        narrower weight gets its own handle here, the same way. The rows are a view: no copy.
+        """
+        head = nn.Module()
+        head.weight = nn.Parameter(self.lm_head.weight[: heads.AUDIO_END], requires_grad=False)
+        head.bias = heads.stream_bias(self.lm_head.weight, self.head_emb.weight).to(head.weight.dtype)
+        if current_platform.is_cpu():
+            dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+        return head
 
     @staticmethod
     def _merge_pairs(hidden: torch.Tensor, pairs: CfgPairs) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
@@ -163,7 +185,7 @@ class OpusLMForCausalLM(nn.Module):
         if len(pairs):
             sampled = rows[~np.isin(rows, pairs.shadow_rows)]
         src = sampled if rows_of is None else rows_of[sampled]
-        aux = heads.aux_logits(projected, self._head_bias)  # the DAC columns only, then the rows
+        aux = heads.aux_logits(projected)  # the DAC columns only, then the rows
         if len(src) != aux.shape[0] or (src != np.arange(len(src))).any():
             aux = aux[torch.from_numpy(src).to(projected.device)]
         configs, gens = self.streams.sampling_rows(batch, sampled)
