@@ -15,6 +15,7 @@ Tensor parallelism is not supported (the heads slice the full lm_head).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,6 +34,15 @@ from engine.vllm_plugin.backbones import make_backbone
 from engine.vllm_plugin.stream_state import NO_PAIRS, CfgPairs, StepBatch, StreamStateStore
 
 
+@dataclass
+class _AudioHead:
+    """The GEMM operands vLLM's dispatch reads (it adds `cpu_linear` on a CPU). Not an
+    nn.Module: its weight is a view of lm_head's and must not be registered as a second one."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
 class OpusLMForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -47,7 +57,7 @@ class OpusLMForCausalLM(nn.Module):
         )
         self.head_emb = nn.Embedding(NUM_HEAD_EMB, config.hidden_size)
         self.streams = StreamStateStore()
-        self._audio_head: nn.Module | None = None  # built once the weights are loaded
+        self._audio_head: _AudioHead | None = None  # built once the weights are loaded
         self._batch: StepBatch | None = None  # set by the runner for one forward
         self.step_pairs: CfgPairs = NO_PAIRS  # this step's CFG pairs (the runner copies stream 0)
 
@@ -137,15 +147,14 @@ class OpusLMForCausalLM(nn.Module):
         head = self._audio_head
         return dispatch_unquantized_gemm()(head, hidden_states, head.weight, head.bias)
 
-    def _make_audio_head(self) -> nn.Module:
+    def _make_audio_head(self) -> "_AudioHead":
         """lm_head's audio rows with the per-stream bias fused (heads.py), in vLLM's GEMM.
 
         On a CPU, vLLM prepacks a weight into a oneDNN handle when the model is loaded; this
         narrower weight gets its own handle here, the same way. The rows are a view: no copy.
         """
-        head = nn.Module()
-        head.weight = nn.Parameter(self.lm_head.weight[: heads.AUDIO_END], requires_grad=False)
-        head.bias = heads.stream_bias(self.lm_head.weight, self.head_emb.weight).to(head.weight.dtype)
+        weight = self.lm_head.weight.data[: heads.AUDIO_END]
+        head = _AudioHead(weight, heads.stream_bias(self.lm_head.weight, self.head_emb.weight).to(weight.dtype))
         if current_platform.is_cpu():
             dispatch_cpu_unquantized_gemm(head, remove_weight=False)
         return head
