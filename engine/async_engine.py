@@ -39,6 +39,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     log_stats: bool = False  # per-request vLLM stats (e.g. preemption counts)
     pacing_lead_ms: float = 500.0  # realtime requests run at most this far ahead of playback
+    cpu_threads: int = 0  # CPU backend: the engine core's torch/OpenMP threads; 0 = vLLM's default (all cores)
     seed: int = 0
     dtype: str = "float32"
     extra_engine_args: dict = field(default_factory=dict)
@@ -92,7 +93,7 @@ def engine_args(cfg: EngineConfig):
         enable_chunked_prefill=cfg.enable_chunked_prefill,
         async_scheduling=False,  # the runner's hooks read each step's rows synchronously
         disable_log_stats=not cfg.log_stats,
-        additional_config={"opuslm": {"pacing_lead_ms": cfg.pacing_lead_ms}},
+        additional_config={"opuslm": {"pacing_lead_ms": cfg.pacing_lead_ms, "cpu_threads": cfg.cpu_threads}},
     )
     if cfg.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
@@ -223,6 +224,11 @@ class AsyncOpusEngine:
             num_preemptions=preemptions,
             num_cached_tokens=cached,
         )
+
+    async def engine_threads(self) -> int:
+        """The engine core's torch intra-op threads, as its worker reports them."""
+        (threads,) = await self._llm.collective_rpc("torch_threads")
+        return int(threads)
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -100,11 +100,21 @@ _V2_MESSAGE = "OpusLM needs vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER
 
 class OpusCPUWorker(CPUWorker):
     def init_device(self):
+        # Before CPUWorker.init_device, which replaces torch.set_num_threads with a no-op. With
+        # the codec and the gateway on the same CPU, an engine whose OpenMP team spans every core
+        # has a thread descheduled at each barrier while the others spin: steps double in time.
+        threads = int((self.vllm_config.additional_config or {}).get("opuslm", {}).get("cpu_threads", 0))
+        if threads > 0:
+            torch.set_num_threads(threads)
         super().init_device()
         if self.use_v2_model_runner:
             raise RuntimeError(_V2_MESSAGE)
         # CPUWorker builds its runner inline; build ours instead (no weights are loaded yet)
         self.model_runner = OpusCPUModelRunner(self.vllm_config, torch.device("cpu"))
+
+    def torch_threads(self) -> int:
+        """The engine core's intra-op threads (collective_rpc("torch_threads"))."""
+        return torch.get_num_threads()
 
 
 class OpusGPUWorker(GPUWorker):
@@ -112,3 +122,6 @@ class OpusGPUWorker(GPUWorker):
         if self.use_v2_model_runner:
             raise RuntimeError(_V2_MESSAGE)
         return OpusGPUModelRunner(self.vllm_config, self.device)
+
+    def torch_threads(self) -> int:
+        return torch.get_num_threads()

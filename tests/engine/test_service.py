@@ -17,7 +17,7 @@ from engine.dialogue import DialogueTurn, response_prompt
 from engine.reference import ReferenceOpusLM
 from engine.request import AudioRequest
 from engine.sampling import GREEDY
-from engine.service import Engine, EngineServiceConfig
+from engine.service import Engine, EngineServiceConfig, engine_cpu_threads
 from engine.service_api import AtCapacity, ConversationClosed, ConversationOptions, Role
 
 pytestmark = pytest.mark.vllm
@@ -199,3 +199,17 @@ def test_a_speaker_prompt_leads_the_prompt_conditions_the_answer_and_can_be_drop
     # dropped: the next prompt starts with the user's first turn right after the task marker
     assert not np.array_equal(second[: len(with_speaker)], with_speaker)
     np.testing.assert_array_equal(second[len(head) : len(head) + 1], special_rows(vocab.USER, vocab.CODEC_SSL)[:1])
+
+
+def test_the_cpu_engine_leaves_the_codec_a_core(engine, loop_thread) -> None:
+    import os
+
+    # the codec and tokenizer run on this CPU: the engine core's OpenMP team spans all cores but one
+    cores = len(os.sched_getaffinity(0))
+    assert loop_thread.run(engine.llm.engine_threads()) == max(1, cores - 1)
+    assert engine_cpu_threads(None, "cpu") == max(1, cores - 1)
+    assert engine_cpu_threads(None, "cuda") == 0  # vLLM's default when the codec is elsewhere
+    assert engine_cpu_threads(3, "cpu") == 3
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="engine.cpu_threads"):
+            EngineServiceConfig(cpu_threads=bad)
