@@ -11,6 +11,10 @@ Throughput = generated steps per second summed over the batch, for OpusLM's serv
 stream for one request). Both vLLM engines stay up and are measured alternately, best of
 --repeats, so machine noise hits both alike. Last line:
 overhead_vs_bare_vllm=X.XX speedup_vs_reference=Y.Y  (at the largest batch)
+
+All three run with the same CPU thread budget, by default the one the engine gets in the service
+on this machine (engine.service.engine_cpu_threads: all cores but one, which the codec and the
+tokenizer use). --threads N sets another, e.g. every core, to see how the engine alone scales.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -115,7 +120,10 @@ def time_reference(ref, reqs: list[AudioRequest]) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> int:
+    import torch
+
     from engine.async_engine import AsyncOpusEngine, EngineConfig, _set_vllm_env
+    from engine.service import engine_cpu_threads
     from engine.tiny import ensure_tiny
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-engine-")
@@ -126,8 +134,13 @@ async def main_async(args: argparse.Namespace) -> int:
     else:
         model = ensure_tiny()
     print(f"model: {model} ({json.loads((model / 'config.json').read_text())['hidden_size']} hidden)", flush=True)
-    cfg = EngineConfig(model=str(model), max_num_seqs=max(args.batches))
+    threads = args.threads or engine_cpu_threads(None, "cpu")
+    torch.set_num_threads(threads)  # the reference, in this process
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # bare vLLM's engine core reads it when it starts
+    cfg = EngineConfig(model=str(model), max_num_seqs=max(args.batches), cpu_threads=threads)
     ours = await AsyncOpusEngine.start(cfg)
+    print(f"cpu threads: {threads} for each engine core and the reference "
+          f"(ours reports {await ours.engine_threads()}; {len(os.sched_getaffinity(0))} cores)", flush=True)
     _set_vllm_env(cfg)
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -187,6 +200,8 @@ def main() -> int:
                    help="the first one gives the last line")
     p.add_argument("--hidden", type=int, default=0, help="bench a random model of this hidden size")
     p.add_argument("--layers", type=int, default=8, help="with --hidden")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads of each engine core and the reference (default: the service's engine budget)")
     p.add_argument("--reference-max-requests", type=int, default=8,
                    help="the reference runs one request at a time; its rate does not depend on the batch")
     args = p.parse_args()
