@@ -6,8 +6,11 @@ collect every session with a due chunk, order by playback deadline, decode the e
 `max_batch` in one batched call, and hand each PCM chunk to its session's sink with its lateness.
 Torch releases the GIL while decoding, so the loop and vLLM's step loop keep running.
 
-A chunk's deadline is when playback reaches its first sample: the session's first deadline plus
-the audio already delivered. `clock` is injectable so tests drive ordering in simulated time.
+A chunk's deadline is when playback reaches its first sample. The first chunk's is the session's
+first deadline (its frames' arrival plus the first-audio budget, unless given). Playback starts
+when the first chunk is delivered, early or late, so every later chunk's deadline is that delivery
+time plus the audio before it: a first chunk decoded well inside its budget leaves the next one
+less time, not more. `clock` is injectable so tests drive ordering in simulated time.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class _Session:
     sink: Callable[[PcmChunk], None]
     state: DecoderState  # touched only by the stage thread
     inbox: collections.deque  # np.ndarray codes or _FINISH, appended by any thread
-    first_deadline_s: float | None
+    first_deadline_s: float | None  # the first chunk's deadline; once it is out, when playback started
     samples_out: int = 0
     last_sent: bool = False
 
@@ -204,6 +207,8 @@ class CodecStage:
             deadline_s=self._deadline(session),
             done_s=done_s,
         )
+        if session.samples_out == 0:
+            session.first_deadline_s = done_s  # playback starts now: later deadlines count from here
         session.samples_out += len(pcm)
         session.last_sent = chunk.is_last
         self.stats.chunks += 1

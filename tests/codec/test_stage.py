@@ -34,13 +34,31 @@ def test_earliest_deadlines_go_first(dac: DAC, speech_codes: np.ndarray) -> None
     first = stage.tick()
     assert [c.session_id for c in first] == ["b", "d"]
     assert [round(c.lateness_s, 3) for c in first] == [0.10, 0.05]
-    # b's and d's second chunks are due 4 frames (80 ms) after their first ones: 100.13 and
-    # 100.18, before c's first (100.20); the second chunks are 4 frames too, so b's third is
-    # due at 100.21, after c's first and before d's third (100.26) and a's first (100.30)
-    assert [c.session_id for c in stage.tick()] == ["b", "d"]
+    # playback of b and d started when their first chunks arrived (100.15), so their second
+    # chunks (4 frames, 80 ms later) are due at 100.23: after c's first (100.20), b before d
     assert [c.session_id for c in stage.tick()] == ["c", "b"]
-    assert stage.stats.late_chunks >= 2 and stage.stats.batch_sizes[2] == 3
+    # c's second is due at 100.23 too (its first went out at 100.15), b's third (after 8 frames
+    # of audio) at 100.31, a's first at 100.30
+    assert [c.session_id for c in stage.tick()] == ["c", "d"]
+    assert stage.stats.late_chunks == 2 and stage.stats.batch_sizes[2] == 3
     assert len(got) == 6
+
+
+def test_playback_starts_when_the_first_chunk_is_delivered(dac: DAC, speech_codes: np.ndarray) -> None:
+    clock = FakeClock()
+    stage = CodecStage(dac, StreamConfig(), max_batch=1, clock=clock)
+    got: list[PcmChunk] = []
+    stage.open("early", got.append, first_deadline_s=100.50)
+    stage.push("early", _frames(speech_codes[:40]))
+    clock.now_s = 100.10
+    (first,) = stage.tick()  # decoded 400 ms inside its budget: the client starts playing now
+    assert first.session_id == "early" and first.lateness_s == pytest.approx(-0.40)
+    stage.open("other", got.append, first_deadline_s=100.20)
+    stage.push("other", _frames(speech_codes[:40]))
+    # early's next chunk is due when its 80 ms first chunk has played (100.18), not at 100.58
+    (second,) = stage.tick()
+    assert second.session_id == "early" and second.deadline_s == pytest.approx(100.18)
+    assert [c.session_id for c in stage.tick()] == ["other"]
 
 
 def test_push_rejects_bad_frames(dac: DAC) -> None:
