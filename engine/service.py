@@ -446,6 +446,8 @@ class Engine:
                 seed=cfg.seed,
             )
         )
+        log.info("engine core torch threads: %d (engine.cpu_threads); codec and tokenizer on %s",
+                 await self.llm.engine_threads(), codec_device)
         if cfg.warmup:
             await loop.run_in_executor(self._tok_pool, self._warm_audio_path, dac)
             await self._warmup()
@@ -482,7 +484,8 @@ class Engine:
             await asyncio.gather(*(run(r) for r in reqs))
             if step_ms:
                 self._capacity.observe(batch, float(np.median(step_ms)))
-        log.info("engine warm: step ms by batch %s, capacity %d", self._capacity.step_ms, self._capacity.capacity())
+        log.info("engine warm: step ms by batch %s, capacity %d",
+                 {b: round(ms, 2) for b, ms in sorted(self._capacity.step_ms.items())}, self._capacity.capacity())
 
     # --- conversations -----------------------------------------------------------------------
 
