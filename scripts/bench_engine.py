@@ -205,6 +205,8 @@ def main() -> int:
     p.add_argument("--reference-max-requests", type=int, default=8,
                    help="the reference runs one request at a time; its rate does not depend on the batch")
     args = p.parse_args()
+    if args.threads < 0:
+        p.error("--threads must be >= 1 (or 0: the service's engine budget)")
     return asyncio.run(main_async(args))
 
 
