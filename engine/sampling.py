@@ -59,14 +59,18 @@ def sample_rows(
     When every sampling row has a top-k, only its candidates are ever looked at again: with
     8 streams x 1024 codes per row, the full-width work would dominate the step on a CPU.
     """
-    rows, width = logits.shape[0], logits.shape[-1]
-    greedy = [c.greedy for c in configs]
-    if rows == 0 or all(greedy):
+    greedy, top_ks = row_limits(configs, logits.shape[-1])
+    if logits.shape[0] == 0 or all(greedy):
         return logits.argmax(dim=-1)
-    top_ks = [0 if g else (c.top_k if 0 < c.top_k < width else 0) for c, g in zip(configs, greedy)]
     if logits.device.type == "cpu" and all(k for k, g in zip(top_ks, greedy) if not g):
         return torch.from_numpy(_sample_top_k_numpy(logits.float().numpy(), configs, generators, greedy, top_ks))
     return _sample_torch(logits, configs, generators, greedy, top_ks)
+
+
+def row_limits(configs: list[SamplingConfig], width: int) -> tuple[list[bool], list[int]]:
+    """Per row: greedy or not, and its top-k (0: none, also when k covers the whole width)."""
+    greedy = [c.greedy for c in configs]
+    return greedy, [0 if g else (c.top_k if 0 < c.top_k < width else 0) for c, g in zip(configs, greedy)]
 
 
 def _sample_torch(

@@ -9,15 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import SamplingConfig, _sample_torch, sample_rows
+from engine.sampling import SamplingConfig, _sample_torch, row_limits, sample_rows
 
 ROW = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, -1.0])
 
 
 def torch_path(logits: torch.Tensor, cfgs: list[SamplingConfig], gens: list) -> torch.Tensor:
-    greedy = [c.greedy for c in cfgs]
-    top_ks = [0 if g else (c.top_k if 0 < c.top_k < logits.shape[-1] else 0) for c, g in zip(cfgs, greedy)]
-    return _sample_torch(logits, cfgs, gens, greedy, top_ks)
+    return _sample_torch(logits, cfgs, gens, *row_limits(cfgs, logits.shape[-1]))
 
 
 SAMPLERS = {"numpy-top-k": sample_rows, "torch": torch_path}
