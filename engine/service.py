@@ -92,14 +92,6 @@ class EngineServiceConfig:
             raise ValueError(f"config key 'engine.cpu_threads': expected a positive integer or null, got {self.cpu_threads!r}")
 
 
-def _resolve_codec_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"  # DESIGN: the codec runs on the engine's device
-
-
 def engine_cpu_threads(configured: int | None, codec_device: str) -> int:
     """The CPU engine's OpenMP threads (0: vLLM's default, every core).
 
@@ -413,14 +405,15 @@ class Engine:
         model = await loop.run_in_executor(None, resolve_model, cfg.model) if cfg.model else await loop.run_in_executor(None, ensure_tiny)
         self.model_dir = model
 
-        codec_device = await loop.run_in_executor(self._tok_pool, _resolve_codec_device, cfg.codec_device)
-
         def load_audio():
             import torch
 
             torch.set_num_threads(1)  # codec and tokenizer threads: one core each, no oversubscription
-            dac = DAC.from_dir(model, device=codec_device)
-            return dac, AudioTokenizer(dac, load_ssl(model, device=codec_device))
+            device = cfg.codec_device
+            if device == "auto":  # DESIGN: the codec runs on the engine's device
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            dac = DAC.from_dir(model, device=device)
+            return dac, AudioTokenizer(dac, load_ssl(model, device=device))
 
         dac, self._tokenizer = await loop.run_in_executor(self._tok_pool, load_audio)
         self._codec = CodecStage(
@@ -441,13 +434,13 @@ class Engine:
                 kv_cache_gib=cfg.kv_cache_gib,
                 block_size=cfg.kv_block_size,
                 pacing_lead_ms=cfg.pacing_lead_ms,
-                cpu_threads=engine_cpu_threads(cfg.cpu_threads, codec_device),
+                cpu_threads=engine_cpu_threads(cfg.cpu_threads, dac.device.type),
                 enforce_eager=cfg.enforce_eager,
                 seed=cfg.seed,
             )
         )
         log.info("engine core torch threads: %d (engine.cpu_threads); codec and tokenizer on %s",
-                 await self.llm.engine_threads(), codec_device)
+                 await self.llm.engine_threads(), dac.device.type)
         if cfg.warmup:
             await loop.run_in_executor(self._tok_pool, self._warm_audio_path, dac)
             await self._warmup()
