@@ -21,6 +21,7 @@ from engine import cfg, vocab
 from engine.checkpoint import load_config
 from engine.delay import segment_frames
 from engine.request import AudioRequest, Generation
+from engine.vllm_plugin import SETTINGS_KEY
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def engine_args(cfg: EngineConfig):
         enable_chunked_prefill=cfg.enable_chunked_prefill,
         async_scheduling=False,  # the runner's hooks read each step's rows synchronously
         disable_log_stats=not cfg.log_stats,
-        additional_config={"opuslm": {"pacing_lead_ms": cfg.pacing_lead_ms, "cpu_threads": cfg.cpu_threads}},
+        additional_config={SETTINGS_KEY: {"pacing_lead_ms": cfg.pacing_lead_ms, "cpu_threads": cfg.cpu_threads}},
     )
     if cfg.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens

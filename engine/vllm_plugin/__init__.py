@@ -7,6 +7,12 @@ Which vLLM hooks the plugin relies on, and why, is written in engine/README.md.
 from __future__ import annotations
 
 _REGISTERED = False
+SETTINGS_KEY = "opuslm"  # VllmConfig.additional_config[SETTINGS_KEY]: the plugin's settings
+
+
+def plugin_settings(vllm_config) -> dict:
+    """What AsyncOpusEngine put in `additional_config` for the engine core (empty if nothing)."""
+    return (vllm_config.additional_config or {}).get(SETTINGS_KEY, {})
 
 
 def register() -> None:

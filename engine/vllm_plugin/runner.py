@@ -22,6 +22,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 
 from engine.sampling import SamplingConfig
+from engine.vllm_plugin import plugin_settings
 from engine.vllm_plugin.stream_state import StepBatch
 
 
@@ -98,12 +99,18 @@ class OpusGPUModelRunner(OpusRunnerMixin, GPUModelRunner):
 _V2_MESSAGE = "OpusLM needs vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0"
 
 
-class OpusCPUWorker(CPUWorker):
+class _ThreadsReport:
+    def torch_threads(self) -> int:
+        """The engine core's intra-op threads (collective_rpc("torch_threads"))."""
+        return torch.get_num_threads()
+
+
+class OpusCPUWorker(_ThreadsReport, CPUWorker):
     def init_device(self):
         # Before CPUWorker.init_device, which replaces torch.set_num_threads with a no-op. With
         # the codec and the gateway on the same CPU, an engine whose OpenMP team spans every core
         # has a thread descheduled at each barrier while the others spin: steps double in time.
-        threads = int((self.vllm_config.additional_config or {}).get("opuslm", {}).get("cpu_threads", 0))
+        threads = int(plugin_settings(self.vllm_config).get("cpu_threads", 0))
         if threads > 0:
             torch.set_num_threads(threads)
         super().init_device()
@@ -112,16 +119,9 @@ class OpusCPUWorker(CPUWorker):
         # CPUWorker builds its runner inline; build ours instead (no weights are loaded yet)
         self.model_runner = OpusCPUModelRunner(self.vllm_config, torch.device("cpu"))
 
-    def torch_threads(self) -> int:
-        """The engine core's intra-op threads (collective_rpc("torch_threads"))."""
-        return torch.get_num_threads()
 
-
-class OpusGPUWorker(GPUWorker):
+class OpusGPUWorker(_ThreadsReport, GPUWorker):
     def _make_model_runner(self):
         if self.use_v2_model_runner:
             raise RuntimeError(_V2_MESSAGE)
         return OpusGPUModelRunner(self.vllm_config, self.device)
-
-    def torch_threads(self) -> int:
-        return torch.get_num_threads()

@@ -33,6 +33,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from engine.delay import MAX_DELAY
 from engine.request import EXTRA_ARGS_KEY
+from engine.vllm_plugin import plugin_settings
 from engine.vllm_plugin.cfg_pairs import CfgPairsMixin
 
 FRAME_S = 0.020
@@ -56,7 +57,7 @@ class OpusScheduler(CfgPairsMixin, Scheduler):
         super().__init__(*args, **kwargs)
         self._init_pairs()
         self.return_sampling_mask = True
-        extra = (self.vllm_config.additional_config or {}).get("opuslm", {})
+        extra = plugin_settings(self.vllm_config)
         self.pacing_lead_s = float(extra.get("pacing_lead_ms", DEFAULT_PACING_LEAD_MS)) / 1000.0
         self._first_frame_at: dict[str, float] = {}  # realtime request -> when frame 0 existed
         self._step_started = time.monotonic()
