@@ -38,6 +38,7 @@ class VadBatcher:
         self.ticks = 0
         self.calls = 0  # model calls (rounds) over all ticks
         self.windows = 0  # windows run over all ticks
+        self.cpu_s = 0.0  # CPU seconds of the model calls (onnxruntime runs them on the loop's thread)
 
     def submit(self, stream: SileroVad, done: Callable[[], None]) -> None:
         """Run `stream`'s pending windows in the next tick, then call `done()` (on the event loop)."""
@@ -62,7 +63,9 @@ class VadBatcher:
         streams = list(waiting)
         self.windows += sum(s.windows_pending for s in streams)
         try:
+            cpu0 = time.thread_time()
             self.calls += run_silero(streams)
+            self.cpu_s += time.thread_time() - cpu0
         except Exception:  # each session settles its own audio and reports its own failure
             log.exception("batched VAD failed for %d sessions", len(streams))
         self.ticks += 1
