@@ -48,6 +48,7 @@ CLOSE_SLOW_CLIENT = 1008
 CLOSE_TRY_AGAIN = 1013
 
 _OBSERVE_FRAMES_S = 0.25
+_DEADLINE = ("deadline",)  # queued by the loop's timer: wake up and look at the clock
 
 
 class Link(Protocol):
@@ -114,6 +115,8 @@ class SessionRunner:
         self._last_client = self._started
         self._vad_submitted = False  # the session's VAD stream waits in the gateway's batcher
         self._observed_at = self._started
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline_at = 0.0
 
     async def run(self) -> None:
         self.task = asyncio.current_task()
@@ -123,6 +126,8 @@ class SessionRunner:
         try:
             await self._session_loop()
         finally:
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
             self._observe(time.monotonic(), force=True)
             if self._reader_task is not None:
                 self._reader_task.cancel()
@@ -321,22 +326,35 @@ class SessionRunner:
         """Everything queued by `wake` (at least one item unless the deadline passed), oldest first.
 
         Handling all queued items before the loop's per-wake work (pacing, events, engine commands,
-        metrics) makes that work once per wake-up instead of once per audio packet. `asyncio.timeout_at`
-        instead of `wait_for`: no task per wait.
+        metrics) makes that work once per wake-up instead of once per audio packet.
         """
         q = self.inbound
+        items = []
         if q.empty() and wake > now:
-            try:
-                async with asyncio.timeout_at(wake):
-                    first = await q.get()
-            except TimeoutError:
-                return []
-            items = [first]
-        else:
-            items = []
+            self._arm_deadline(wake)
+            items.append(await q.get())
         while not q.empty():
             items.append(q.get_nowait())
-        return items
+        return [item for item in items if item is not _DEADLINE]
+
+    def _arm_deadline(self, when: float) -> None:
+        """Have `_DEADLINE` queued at `when`, or earlier: one timer kept across waits, not one per
+        wait. The idle deadline moves with every client message and the pacing one with every
+        frame; a timer already due sooner is kept (its early wake-up just looks at the clock
+        and re-arms), so most waits arm nothing."""
+        if self._deadline_timer is not None:
+            if self._deadline_at <= when:
+                return
+            self._deadline_timer.cancel()
+        self._deadline_at = when
+        self._deadline_timer = asyncio.get_running_loop().call_at(when, self._deadline_due)
+
+    def _deadline_due(self) -> None:
+        self._deadline_timer = None
+        try:
+            self.inbound.put_nowait(_DEADLINE)
+        except asyncio.QueueFull:
+            pass  # the loop has input to handle; it looks at the clock after it
 
     def _handle(self, item: tuple, now: float) -> None:
         kind = item[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import time
 import urllib.error
@@ -262,6 +263,36 @@ def test_two_sessions_at_once(gateway, speech):
         return await asyncio.gather(one("first caller speaking now"), one("and here is the second caller"))
 
     assert run(main()) == ["completed", "completed"]
+
+
+def test_idle_sessions_are_closed_and_active_ones_kept(gateway):
+    """limits.idle_timeout_s after a session's last client event it gets an `idle_timeout` error and
+    a close; a client that keeps sending events is kept however long it stays."""
+    idle_s = 1.0
+
+    async def main():
+        quiet, busy = await connect(gateway), await connect(gateway)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.5 * idle_s:  # busy: an event every 0.3 s
+            await busy.send(type="input_audio_buffer.clear")
+            await asyncio.sleep(0.3)
+        quiet_error = await quiet.wait_for("error", timeout=5)
+        await quiet._rx  # the server closed it
+        busy_kept = "error" not in busy.types() and busy.ws.close_code is None
+        t1 = time.monotonic()
+        busy_error = await busy.wait_for("error", timeout=5 * idle_s)
+        await busy._rx
+        return quiet_error, quiet.ws.close_code, busy_kept, busy_error, time.monotonic() - t1
+
+    config = gateway.config
+    gateway.config = dataclasses.replace(config, limits=dataclasses.replace(config.limits, idle_timeout_s=idle_s))
+    try:
+        quiet_error, quiet_code, busy_kept, busy_error, busy_waited = run(main())
+    finally:
+        gateway.config = config
+    assert quiet_error["error"]["code"] == "idle_timeout" and quiet_code == 1000
+    assert busy_kept
+    assert busy_error["error"]["code"] == "idle_timeout" and 0.5 * idle_s < busy_waited < 4 * idle_s
 
 
 def test_bad_inputs_get_errors_and_the_session_continues(gateway, speech):
