@@ -268,7 +268,7 @@ def test_two_sessions_at_once(gateway, speech):
 def test_idle_sessions_are_closed_and_active_ones_kept(gateway):
     """limits.idle_timeout_s after a session's last client event it gets an `idle_timeout` error and
     a close; a client that keeps sending events is kept however long it stays."""
-    idle_s = 1.0
+    idle_s = 1.5  # 5x the busy client's spacing: a loaded machine does not make it look idle
 
     async def main():
         quiet, busy = await connect(gateway), await connect(gateway)
@@ -276,7 +276,7 @@ def test_idle_sessions_are_closed_and_active_ones_kept(gateway):
         while time.monotonic() - t0 < 2.5 * idle_s:  # busy: an event every 0.3 s
             await busy.send(type="input_audio_buffer.clear")
             await asyncio.sleep(0.3)
-        quiet_error = await quiet.wait_for("error", timeout=5)
+        quiet_error = await quiet.wait_for("error", timeout=5 * idle_s)
         await quiet._rx  # the server closed it
         busy_kept = "error" not in busy.types() and busy.ws.close_code is None
         t1 = time.monotonic()
