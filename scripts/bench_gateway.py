@@ -9,9 +9,9 @@ is the gateway: Opus/pcm16 decode + resampling + Silero VAD + Opus/pcm16 encode 
 
 Prints the server process's CPU seconds / wall seconds / sessions, the share of it spent in Silero's
 model calls (counted by the VAD batcher), and both figures' medians over `--repeats` runs (this
-machine is noisy: one run's figure moves by +-15 %). The issue's goal, <= 0.02 core per session, is
-for the gateway's plumbing (Opus decode + encode + framing + JSON/base64): the last line, the cost
-without the VAD. The VAD, a neural model run on every 32 ms of every session, is the largest single
+machine is noisy: one run's figure moves by 15-25 % within minutes, more over a day). The goal,
+<= 0.02 core per session, is for the gateway's plumbing (Opus decode + encode + framing +
+JSON/base64): the last line, the cost without the VAD. The VAD, a neural model run on every 32 ms of every session, is the largest single
 item and is reported beside it.
 """
 
