@@ -116,7 +116,6 @@ class SessionRunner:
         self._vad_submitted = False  # the session's VAD stream waits in the gateway's batcher
         self._observed_at = self._started
         self._deadline_timer: asyncio.TimerHandle | None = None
-        self._deadline_at = 0.0
 
     async def run(self) -> None:
         self.task = asyncio.current_task()
@@ -343,10 +342,9 @@ class SessionRunner:
         frame; a timer already due sooner is kept (its early wake-up just looks at the clock
         and re-arms), so most waits arm nothing."""
         if self._deadline_timer is not None:
-            if self._deadline_at <= when:
+            if self._deadline_timer.when() <= when:
                 return
             self._deadline_timer.cancel()
-        self._deadline_at = when
         self._deadline_timer = asyncio.get_running_loop().call_at(when, self._deadline_due)
 
     def _deadline_due(self) -> None:
