@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import cfg, vocab
+from engine import guidance, vocab
 from engine.checkpoint import load_config
 from engine.delay import segment_frames
 from engine.request import AudioRequest, Generation
@@ -201,9 +201,9 @@ class AsyncOpusEngine:
         return self.max_batched_tokens // 2 - prompt_len
 
     def _check_request(self, request: AudioRequest, rid: str) -> None:
-        if cfg.SHADOW_SUFFIX in rid:
-            raise ValueError(f"request id {rid!r}: {cfg.SHADOW_SUFFIX!r} is reserved for CFG shadows")
-        if cfg.uses_cfg(request.cfg_scale):
+        if guidance.SHADOW_SUFFIX in rid:
+            raise ValueError(f"request id {rid!r}: {guidance.SHADOW_SUFFIX!r} is reserved for CFG shadows")
+        if guidance.uses_cfg(request.cfg_scale):
             budget = self.max_batched_tokens
             if request.max_steps > self.cfg_max_steps(request.prompt_len):
                 raise ValueError(

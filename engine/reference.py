@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engine import cfg, checkpoint, delay, heads, vocab
+from engine import checkpoint, delay, guidance, heads, vocab
 from engine.request import AudioRequest, Generation
 from engine.sampling import sample_rows
 
@@ -134,15 +134,15 @@ class ReferenceOpusLM:
         """Generate one audio segment, one step per forward, exactly as the engine does.
 
         With `cfg_scale` != 1 each step runs two forwards -- the prompt's and the unconditional
-        prompt's (engine/cfg.py), each with its own KV cache -- merges their projections, samples
+        prompt's (engine/guidance.py), each with its own KV cache -- merges their projections, samples
         once, and feeds the same step to both.
         """
         cfg_ = self.cfg
         prompt = np.asarray(request.prompt, dtype=np.int64)
         if prompt.shape[0] + request.max_steps > cfg_.max_position_embeddings:
             raise ValueError("prompt + max_frames exceed the model's max_position_embeddings")
-        guided = cfg.uses_cfg(request.cfg_scale)
-        prompts = [prompt, cfg.unconditional_prompt(prompt)] if guided else [prompt]
+        guided = guidance.uses_cfg(request.cfg_scale)
+        prompts = [prompt, guidance.unconditional_prompt(prompt)] if guided else [prompt]
         caches = [_KVCache(cfg_.num_hidden_layers) for _ in prompts]
         hs = [self.forward(self.embed(p), 0, c)[-1:] for p, c in zip(prompts, caches)]
         scale = torch.tensor([request.cfg_scale], device=self.device)
@@ -159,8 +159,8 @@ class ReferenceOpusLM:
                 np.array([s]), np.array([eos_step]), request.min_frames, request.max_frames
             )
             # the heads are linear in h, so merging every stream's logits = projecting the merged
-            # hidden state (the vLLM model does the same; engine/cfg.py)
-            h = cfg.merge(hs[0], hs[1], scale) if guided else hs[0]
+            # hidden state (the vLLM model does the same; engine/guidance.py)
+            h = guidance.merge(hs[0], hs[1], scale) if guided else hs[0]
             logits = heads.project(h, lm_head, self._head_bias)
             codes = sample_rows(heads.aux_logits(logits), [samp], [gen_aux])
             logits0 = heads.stream0_logits_(logits, rule)

@@ -42,7 +42,7 @@ class AudioRequest:
     # Played as it is generated: the scheduler orders it by playback deadline and keeps it a
     # bounded lead ahead of real time (vllm_plugin/scheduler.py). Offline requests run flat out.
     realtime: bool = False
-    # Classifier-free guidance weight w (engine/cfg.py): 1 = none; otherwise the engine runs a
+    # Classifier-free guidance weight w (engine/guidance.py): 1 = none; otherwise the engine runs a
     # shadow request on the unconditional prompt beside this one and merges their logits.
     cfg_scale: float = 1.0
 
@@ -84,13 +84,13 @@ class AudioRequest:
 def shadow_request(main_extra_args: dict[str, Any], main_id: str, main_prompt_ids: list[int]) -> tuple[list[int], dict[str, Any]]:
     """The CFG shadow of a request, built in the engine core: (stream-0 prompt ids, extra_args).
 
-    Its prompt is `cfg.unconditional_prompt` of the main's; its extra_args are the main's with
+    Its prompt is `guidance.unconditional_prompt` of the main's; its extra_args are the main's with
     that prompt's aux and a link back to the main."""
-    from engine import cfg
+    from engine import guidance
 
     spec = WorkerRequestSpec.from_extra_args(main_extra_args, len(main_prompt_ids))
     main_prompt = np.concatenate([np.asarray(main_prompt_ids, dtype=np.int64)[:, None], spec.prompt_aux], axis=1)
-    uncond = cfg.unconditional_prompt(main_prompt)
+    uncond = guidance.unconditional_prompt(main_prompt)
     block = dict(main_extra_args[EXTRA_ARGS_KEY])
     block["aux"] = np.ascontiguousarray(uncond[:, 1:], dtype=_AUX_DTYPE).tobytes()
     block["shadow_of"] = main_id

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import cfg, vocab
+from engine import guidance, vocab
 from engine.capacity import CapacityModel
 from engine.delay import MAX_DELAY, FrameAssembler
 from engine.dialogue import SPEAKER_PROMPT_FRAMES, DialogueTurn, response_prompt, stable_user_prefix
@@ -249,7 +249,7 @@ class Conversation:
             return
         if self._response is not None:  # the history is not final until the answer is
             return
-        if cfg.uses_cfg(self._options.cfg_scale):  # CFG pairs do not read the prefix cache
+        if guidance.uses_cfg(self._options.cfg_scale):  # CFG pairs do not read the prefix cache
             return
         if self._prefill_task is not None and not self._prefill_task.done():
             return
@@ -284,7 +284,7 @@ class Conversation:
             self.last_prompt = response_prompt(self._turns, self._speaker_frames())
             self.cached_tokens_last_response = 0
             max_frames = max(1, int(self._options.max_response_ms / FRAME_MS))
-            if cfg.uses_cfg(self._options.cfg_scale):
+            if guidance.uses_cfg(self._options.cfg_scale):
                 max_frames = self._engine._cfg_max_frames(len(self.last_prompt), max_frames)
             request = AudioRequest(
                 prompt=self.last_prompt,

@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="request i uses seed + i")
     p.add_argument("--prompt-seed", type=int, default=0, help="seed of the synthetic prompts")
     p.add_argument("--cfg-scale", type=float, default=1.0,
-                   help="classifier-free guidance weight w (1: none); engine/cfg.py")
+                   help="classifier-free guidance weight w (1: none); engine/guidance.py")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--out", type=Path, required=True, help="output .npy [N, F, 9]")
     p.set_defaults(func=run)

@@ -1,7 +1,7 @@
 """Paired Request Co-Scheduling: CFG pairs inside vLLM's scheduler (a mixin of OpusScheduler).
 
 A request whose extra_args carry `cfg_scale` w != 1 (a "main") gets a shadow when it reaches the
-scheduler: a vLLM request of its own, "<id>#uncond", on the unconditional prompt (engine/cfg.py),
+scheduler: a vLLM request of its own, "<id>#uncond", on the unconditional prompt (engine/guidance.py),
 created here in the engine core, so the front-end never knows it exists -- it has no output
 stream, and its outputs are dropped before they leave the engine core.
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 from vllm.utils.math_utils import cdiv
 from vllm.v1.request import Request, RequestStatus
 
-from engine import cfg
+from engine import guidance
 from engine.request import cfg_scale_of, shadow_request
 
 
@@ -56,7 +56,7 @@ class CfgPairsMixin:
         super().add_request(request)
         params = request.sampling_params
         rid = request.request_id
-        if params is None or not cfg.uses_cfg(cfg_scale_of(params.extra_args)) or rid in self.shadow_of_main:
+        if params is None or not guidance.uses_cfg(cfg_scale_of(params.extra_args)) or rid in self.shadow_of_main:
             return
         shadow = self._make_shadow(request)
         request.skip_reading_prefix_cache = True
@@ -70,13 +70,13 @@ class CfgPairsMixin:
         params.extra_args = extra_args
         params.skip_reading_prefix_cache = True
         return Request(
-            request_id=cfg.shadow_id(main.request_id),
+            request_id=guidance.shadow_id(main.request_id),
             prompt_token_ids=ids,
             sampling_params=params,
             pooling_params=None,
             client_index=main.client_index,
             arrival_time=main.arrival_time,
-            cache_salt=f"{main.cache_salt or main.request_id}{cfg.SHADOW_SUFFIX}",
+            cache_salt=f"{main.cache_salt or main.request_id}{guidance.SHADOW_SUFFIX}",
             priority=main.priority,
             block_hasher=main._block_hasher,
         )

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.platforms import current_platform
 
-from engine import cfg, heads
+from engine import guidance, heads
 from engine.checkpoint import NUM_HEAD_EMB
 from engine.request import WorkerRequestSpec
 from engine.sampling import SamplingConfig, sample_rows
@@ -164,7 +164,7 @@ class OpusLMForCausalLM(nn.Module):
         """CFG merge, for all 9 streams at once, in hidden space.
 
         Every stream's logits are lm_head(h) + a constant bias (heads.py), linear in h, so
-        cfg.merge of the logits equals lm_head(cfg.merge(h_cond, h_uncond)) + bias: the merge
+        guidance.merge of the logits equals lm_head(guidance.merge(h_cond, h_uncond)) + bias: the merge
         costs H per pair instead of V, and the shadow rows, which sample nothing themselves
         (they copy their main's tokens: streams 1-8 in `_sample_aux`, stream 0 in the runner),
         are not projected at all. Returns (hidden of the projected rows, their batch rows,
@@ -172,7 +172,7 @@ class OpusLMForCausalLM(nn.Module):
         """
         dev = hidden.device
         main_t = torch.from_numpy(pairs.main_rows).to(dev)
-        merged = cfg.merge(
+        merged = guidance.merge(
             hidden.index_select(0, main_t).float(),
             hidden.index_select(0, torch.from_numpy(pairs.shadow_rows).to(dev)).float(),
             torch.from_numpy(pairs.scales).to(dev),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine import cfg, delay, vocab
+from engine import delay, guidance, vocab
 from engine.request import WorkerRequestSpec
 from engine.sampling import SamplingConfig
 
@@ -114,12 +114,12 @@ class StreamStateStore:
             cfg_scale=spec.cfg_scale,
             shadow_of=spec.shadow_of,
         )
-        if spec.shadow_of is not None or cfg.uses_cfg(spec.cfg_scale):
+        if spec.shadow_of is not None or guidance.uses_cfg(spec.cfg_scale):
             self.num_cfg += 1
 
     def remove(self, req_id: str) -> None:
         st = self.requests.pop(req_id, None)
-        if st is not None and (st.shadow_of is not None or cfg.uses_cfg(st.cfg_scale)):
+        if st is not None and (st.shadow_of is not None or guidance.uses_cfg(st.cfg_scale)):
             self.num_cfg -= 1
 
     def cfg_pairs(self, batch: StepBatch, plan: StepPlan) -> CfgPairs:
@@ -143,7 +143,7 @@ class StreamStateStore:
                 mains.append(m)
                 shadows.append(r)
                 scales.append(self.requests[st.shadow_of].cfg_scale)
-            elif cfg.uses_cfg(st.cfg_scale) and cfg.shadow_id(rid) not in row_of:
+            elif guidance.uses_cfg(st.cfg_scale) and guidance.shadow_id(rid) not in row_of:
                 raise RuntimeError(f"CFG pair split: main {rid} scheduled without its shadow")
         if not mains:
             return NO_PAIRS

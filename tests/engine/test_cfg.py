@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import cfg, vocab
+from engine import guidance, vocab
 from engine.prompt import synthetic_prompt
 from engine.reference import ReferenceOpusLM
 from engine.request import AudioRequest
@@ -61,14 +61,14 @@ def assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:
 
 def test_unconditional_prompt_and_merge_formula() -> None:
     p = synthetic_prompt(3, 10)
-    u = cfg.unconditional_prompt(p)
+    u = guidance.unconditional_prompt(p)
     assert u.shape == p.shape and (u == vocab.PAD).all()
     c, n = torch.randn(4, 7), torch.randn(4, 7)
     w = torch.tensor([1.0, 0.0, 3.0, 0.5])
-    m = cfg.merge(c, n, w)
+    m = guidance.merge(c, n, w)
     torch.testing.assert_close(m, n + w[:, None] * (c - n))
     assert torch.equal(m[0], c[0]) and torch.equal(m[1], n[1])
-    assert not cfg.uses_cfg(1.0) and cfg.uses_cfg(3.0) and cfg.uses_cfg(0.0)
+    assert not guidance.uses_cfg(1.0) and guidance.uses_cfg(3.0) and guidance.uses_cfg(0.0)
     with pytest.raises(ValueError):
         AudioRequest(p, 5, cfg_scale=-1.0)
 
@@ -119,7 +119,7 @@ def test_cfg_greedy_parity_mixed_batch(vllm_engine, loop_thread, ref) -> None:
     for i, (req, (steps, _, _)) in enumerate(zip(reqs, results)):
         assert_same(steps, ref.generate(req).steps, f"request {i} (w={req.cfg_scale})")
     # guidance did something: a guided request differs from its unguided twin
-    guided = [i for i, r in enumerate(reqs) if cfg.uses_cfg(r.cfg_scale)]
+    guided = [i for i, r in enumerate(reqs) if guidance.uses_cfg(r.cfg_scale)]
     plain_twins = [ref.generate(AudioRequest(reqs[i].prompt, reqs[i].max_frames, reqs[i].min_frames, GREEDY)).steps
                    for i in guided]
     assert sum(not np.array_equal(results[i][0], t) for i, t in zip(guided, plain_twins)) >= len(guided) - 1
@@ -145,7 +145,7 @@ def test_cfg_greedy_parity_under_preemption(loop_thread, engine_factory, tiny_mo
         freed = loop_thread.run(wait_kv_free(engine))
     finally:
         engine.shutdown()
-    preempted_cfg = [p for r, (_, _, p) in zip(reqs, results) if cfg.uses_cfg(r.cfg_scale)]
+    preempted_cfg = [p for r, (_, _, p) in zip(reqs, results) if guidance.uses_cfg(r.cfg_scale)]
     assert sum(preempted_cfg) > 0, "KV pressure did not preempt a CFG pair"
     for i, (req, (steps, _, p)) in enumerate(zip(reqs, results)):
         assert_same(steps, ref.generate(req).steps, f"request {i} (w={req.cfg_scale}, preempted {p}x)")
@@ -187,7 +187,7 @@ def test_abort_of_a_main_frees_both_and_no_shadow_output_reaches_the_caller(vllm
         await stream.aclose()
         freed = await wait_kv_free(vllm_engine)
         with pytest.raises(ValueError, match="reserved"):
-            await vllm_engine.stream_steps(short_req, request_id="x" + cfg.SHADOW_SUFFIX).__anext__()
+            await vllm_engine.stream_steps(short_req, request_id="x" + guidance.SHADOW_SUFFIX).__anext__()
         return ids, tokens, rid, seen, freed
 
     ids, tokens, rid, seen, freed = loop_thread.run(run())
