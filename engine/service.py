@@ -24,7 +24,6 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from enum import IntEnum
 from pathlib import Path
 
 import numpy as np
@@ -107,12 +106,6 @@ def engine_cpu_threads(configured: int | None, codec_device: str) -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-class TurnState(IntEnum):
-    LISTENING = 0
-    RESPONDING = 1
-    CLOSED = 2
-
-
 @dataclass
 class _UserTurn:
     tokenizer_state: object
@@ -131,20 +124,80 @@ class _UserTurn:
         return np.concatenate(self.frames)
 
 
-@dataclass
-class _Response:
-    id: str
-    chunks: asyncio.Queue
-    frames: list[np.ndarray] = field(default_factory=list)
-    played_frames: int | None = None  # set by cancel
-    pump: asyncio.Task | None = None
-    answering: bool = False  # the user turn is in the history; the assistant turn will follow it
+_END = object()  # chunk-queue sentinel: the response ended without a last chunk (cancel)
+
+
+def _played_frames(played_ms: float) -> int:
+    return max(0, int(played_ms // FRAME_MS)) if played_ms != float("inf") else 1 << 40
+
+
+class Response:
+    """One answer: the `ResponseHandle` the gateway holds, and the engine's only record of it.
+
+    Its life: waiting (for the previous answer to wind down and the user turn's last frames) ->
+    generating (vLLM steps -> frames -> codec stage -> `chunks()`) -> ended, when its assistant turn
+    (cut to what was played) is in the history. `cancel()` at any point stops it; after the end it
+    cuts that history turn.
+    """
+
+    def __init__(self, response_id: str) -> None:
+        self.id = response_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.frames: list[np.ndarray] = []
+        self.played_frames: int | None = None  # set by cancel: the history keeps this many
+        self.cancelled = False
+        self.ended = False
+        self.task: asyncio.Task | None = None  # the whole life (see `Conversation._generate`)
+        self.pump: asyncio.Task | None = None  # the generation alone: what cancel stops
+        self.turn: DialogueTurn | None = None  # the assistant turn in the history, once ended
+        self.cached_tokens = 0  # prompt positions served from the prefix cache
+        self.delivered = asyncio.Event()  # the last chunk, the failure or the cancel reached the queue
 
     def num_frames(self) -> int:
         return sum(len(f) for f in self.frames)
 
+    async def chunks(self) -> AsyncIterator[AudioChunk]:
+        """Ends once the answer's turn is in the history, so the next prompt is known when it does."""
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                break
+            if isinstance(item, BaseException):
+                await self._ended()
+                raise item
+            yield item
+            if item.is_last:
+                break
+        await self._ended()
 
-_END = object()  # queue sentinel: the response ended (cancel or engine error)
+    async def _ended(self) -> None:
+        if self.task is not None and not self.task.done():
+            await asyncio.wait([self.task])
+
+    def cancel(self, played_ms: float) -> None:
+        played = _played_frames(played_ms)
+        if self.ended:
+            if self.turn is not None:
+                self.turn.frames = self.turn.frames[:played]
+            return
+        self.played_frames = played if self.played_frames is None else min(played, self.played_frames)
+        if self.cancelled:
+            return
+        self.cancelled = True
+        if self.pump is not None:
+            self.pump.cancel()  # the codec stream closes when the pump has stopped (_end_response)
+        while not self._queue.empty():  # chunks not yet taken are never played: none after a cancel
+            self._queue.get_nowait()
+        self._queue.put_nowait(_END)
+        self.delivered.set()
+
+    # --- the engine's side ---
+    def deliver(self, item: AudioChunk | BaseException | object) -> None:
+        if self.cancelled or self.delivered.is_set():  # late output of a cancelled answer is never played
+            return
+        self._queue.put_nowait(item)
+        if not isinstance(item, AudioChunk) or item.is_last:
+            self.delivered.set()
 
 
 def _as_float_pcm(pcm, what: str) -> np.ndarray:
@@ -168,18 +221,26 @@ class Conversation:
         self.id = session_id
         self._engine = engine
         self._options = options
-        self._salt = f"conv:{session_id}:{next(engine._salt_ids)}"
+        self._salt = engine.new_salt(session_id)
         self._turns: list[DialogueTurn] = []
         self._user: _UserTurn | None = None
-        self._response: _Response | None = None
-        self._state = TurnState.LISTENING
-        self._responses = itertools.count()
+        self._response: Response | None = None  # the latest, until it ended
+        self._closed = False
         self._sampling = _sampling_config(options)
         self._prefill_task: asyncio.Task | None = None
-        self.cached_tokens_last_response = 0  # prompt positions served from the prefix cache
         self.prefilled_requests = 0  # incremental prefills issued while the user talked
         self.last_prompt: np.ndarray | None = None  # the prompt of the latest response
+        self._last: Response | None = None
         self._speaker: asyncio.Future | None = self._tokenize_speaker(options.speaker_prompt_pcm)
+
+    @property
+    def responding(self) -> bool:
+        return self._response is not None
+
+    @property
+    def cached_tokens_last_response(self) -> int:
+        """Prompt positions of the latest response served from the prefix cache."""
+        return 0 if self._last is None else self._last.cached_tokens
 
     def update_options(self, options: ConversationOptions) -> None:
         """New settings (session.update); they apply from the next response on."""
@@ -189,7 +250,7 @@ class Conversation:
         if (old is None) != (new is None) or (new is not None and not np.array_equal(old, new)):
             self._speaker = self._tokenize_speaker(new)
             # the prompt's prefix changed: a new salt keeps the old prefix's KV out of reach
-            self._salt = f"conv:{self.id}:{next(self._engine._salt_ids)}"
+            self._salt = self._engine.new_salt(self.id)
         self._options = options
         self._sampling = _sampling_config(options)
 
@@ -201,7 +262,7 @@ class Conversation:
         if pcm.size == 0:
             return None
         pcm = pcm[: SPEAKER_PROMPT_FRAMES * SAMPLES_PER_FRAME]
-        return self._engine._tokenize(self._engine._tokenizer.new_state(), pcm, finish=True)
+        return self._engine.tokenize(self._engine.new_tokenizer_state(), pcm, finish=True)
 
     def _speaker_frames(self) -> np.ndarray | None:
         """The tokenized speaker prompt, or None (none given, or not tokenized yet)."""
@@ -217,9 +278,9 @@ class Conversation:
         self._check_open()
         pcm = _as_float_pcm(pcm_16k, "user audio")
         if self._user is None:
-            self._user = _UserTurn(tokenizer_state=self._engine._tokenizer.new_state())
+            self._user = _UserTurn(tokenizer_state=self._engine.new_tokenizer_state())
         user = self._user
-        job = self._engine._tokenize(user.tokenizer_state, pcm, finish=False)
+        job = self._engine.tokenize(user.tokenizer_state, pcm, finish=False)
         user.last_job = job
         job.add_done_callback(lambda f, u=user: self._on_frames(u, f))
 
@@ -227,11 +288,11 @@ class Conversation:
         """The user's turn is complete (VAD end of speech, or a client commit)."""
         self._check_open()
         if self._user is None:
-            self._user = _UserTurn(tokenizer_state=self._engine._tokenizer.new_state())
+            self._user = _UserTurn(tokenizer_state=self._engine.new_tokenizer_state())
         user = self._user
         if user.done is not None:
             return
-        job = self._engine._tokenize(user.tokenizer_state, None, finish=True)
+        job = self._engine.tokenize(user.tokenizer_state, None, finish=True)
         user.done = job
         job.add_done_callback(lambda f, u=user: self._on_frames(u, f))
 
@@ -259,33 +320,42 @@ class Conversation:
             return  # the prompt starts with the speaker prompt: prefill once it is tokenized
         user.prefilled_frames = user.num_frames
         prompt = stable_user_prefix(self._turns, user.all_frames(), self._speaker_frames())
-        self._prefill_task = asyncio.ensure_future(self._engine._prefill(prompt, self._salt))
+        self._prefill_task = asyncio.ensure_future(self._engine.prefill(prompt, self._salt))
         self.prefilled_requests += 1
 
     # --- the answer --------------------------------------------------------------------------
 
-    async def respond(self) -> AsyncIterator[AudioChunk]:
-        """Generate the assistant's answer to the user's turn, chunk by chunk, in order."""
+    def respond(self, response_id: str) -> Response:
+        """Answer the user's turn: a handle whose `chunks()` yields the audio, in order."""
         self._check_open()
-        if self._response is not None:
-            raise ResponseInProgress(f"conversation {self.id} is already responding")
+        prev = self._response
+        if prev is not None and not prev.cancelled:
+            raise ResponseInProgress(f"conversation {self.id} is already responding ({prev.id})")
         if self._user is None or self._user.done is None:
             self.end_user_turn()
         user, self._user = self._user, None
-        assert user is not None and user.done is not None
-        response = _Response(id=f"{self.id}-resp{next(self._responses)}", chunks=asyncio.Queue())
-        self._response, self._state = response, TurnState.RESPONDING
+        response = Response(response_id)
+        self._response = self._last = response
+        response.task = asyncio.ensure_future(self._generate(response, user, prev))
+        return response
+
+    async def _generate(self, response: Response, user: _UserTurn, prev: Response | None) -> None:
+        """The response's whole life. The user turn always enters the history (a cancel stops only the
+        generation, `response.pump`), so the next turn's prompt is right whatever was interrupted."""
         try:
+            if prev is not None and prev.task is not None:
+                await asyncio.wait([prev.task])  # its turn must be in the history before ours
             await user.done  # the tokenizer has flushed the turn; its frames are in `user`
             if self._speaker is not None:
                 await self._speaker  # queued on the tokenizer thread before this turn: already done
             self._turns.append(DialogueTurn(vocab.USER, user.all_frames()))
-            response.answering = True
+            response.turn = DialogueTurn(vocab.ASSISTANT, np.zeros((0, vocab.NUM_STREAMS), np.int64))
+            if response.cancelled:
+                return
             self.last_prompt = response_prompt(self._turns, self._speaker_frames())
-            self.cached_tokens_last_response = 0
             max_frames = max(1, int(self._options.max_response_ms / FRAME_MS))
             if guidance.uses_cfg(self._options.cfg_scale):
-                max_frames = self._engine._cfg_max_frames(len(self.last_prompt), max_frames)
+                max_frames = self._engine.guided_max_frames(len(self.last_prompt), max_frames)
             request = AudioRequest(
                 prompt=self.last_prompt,
                 max_frames=max_frames,
@@ -295,66 +365,42 @@ class Conversation:
                 realtime=True,
                 cfg_scale=self._options.cfg_scale,
             )
-            response.pump = asyncio.ensure_future(self._engine._run_response(self, request, response))
-            async for chunk in self._drain(response):
-                yield chunk
+            response.pump = asyncio.ensure_future(self._engine.run_response(request, response))
+            await asyncio.wait([response.pump])  # a cancel ends it early; its own failures it delivers
+            if not response.pump.cancelled():
+                await response.delivered.wait()  # the codec stage still decodes the last frames
+        except Exception as e:  # the tokenizer or the request failed: the consumer learns it
+            log.exception("response %s failed", response.id)
+            response.deliver(e)
         finally:
-            await self._finish_response(response)
+            self._end_response(response)
 
-    async def _drain(self, response: _Response) -> AsyncIterator[AudioChunk]:
-        while True:
-            item = await response.chunks.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.is_last:
-                return
+    def _end_response(self, response: Response) -> None:
+        self._engine.close_stream(response.id)
+        if response.turn is not None:  # else the user turn never made it (tokenizer failure): no answer
+            frames = np.concatenate(response.frames) if response.frames else response.turn.frames
+            if response.played_frames is not None:
+                frames = frames[: response.played_frames]
+            response.turn.frames = frames
+            self._turns.append(response.turn)
+        response.ended = True
+        response.deliver(_END)
+        if self._response is response:
+            self._response = None
 
-    async def _finish_response(self, response: _Response) -> None:
-        if response.pump is not None and not response.pump.done():
-            response.pump.cancel()
-            try:
-                await response.pump
-            except (asyncio.CancelledError, Exception):
-                pass
-        self._engine._codec.close(response.id)
-        frames = np.concatenate(response.frames) if response.frames else np.zeros((0, vocab.NUM_STREAMS), np.int64)
-        if response.played_frames is not None:
-            frames = frames[: response.played_frames]
-        if response.answering:  # else the user turn never made it (tokenizer failure): no answer
-            self._turns.append(DialogueTurn(vocab.ASSISTANT, frames))
-        self._response = None
-        if self._state != TurnState.CLOSED:
-            self._state = TurnState.LISTENING
-
-    def cancel(self, played_ms: float) -> None:
-        """Barge-in: stop generating now; the history keeps only the played frames.
-
-        With no response running, truncates the last assistant turn (its audio may still be
-        playing at the client when the user interrupts).
-        """
-        played = max(0, int(played_ms // FRAME_MS)) if played_ms != float("inf") else 1 << 40
-        response = self._response
-        if response is not None:
-            response.played_frames = min(played, response.num_frames())
-            if response.pump is not None:
-                response.pump.cancel()
-            self._engine._codec.close(response.id)
-            response.chunks.put_nowait(_END)
-            return
-        if self._turns and self._turns[-1].role == vocab.ASSISTANT:
-            last = self._turns[-1]
-            last.frames = last.frames[:played]
+    def truncate(self, response_id: str, played_ms: float) -> None:
+        """The client played only `played_ms` of a finished answer (its audio may still have been
+        playing when the user interrupted): the history keeps that much."""
+        if self._last is not None and self._last.id == response_id:
+            self._last.cancel(played_ms)
 
     async def close(self) -> None:
-        if self._state == TurnState.CLOSED:
+        if self._closed:
             return
         if self._response is not None:
-            self.cancel(played_ms=float("inf"))
-        self._state = TurnState.CLOSED
-        self._engine._conversations.pop(self.id, None)
+            self._response.cancel(float("inf"))
+        self._closed = True
+        self._engine.forget(self.id)
 
     @property
     def history(self) -> list[HistoryTurn]:
@@ -366,7 +412,7 @@ class Conversation:
         return response_prompt(self._turns, self._speaker_frames())
 
     def _check_open(self) -> None:
-        if self._state == TurnState.CLOSED:
+        if self._closed:
             raise ConversationClosed(f"conversation {self.id} is closed")
 
 
@@ -410,7 +456,7 @@ class Engine:
 
             torch.set_num_threads(1)  # codec and tokenizer threads: one core each, no oversubscription
             device = cfg.codec_device
-            if device == "auto":  # DESIGN: the codec runs on the engine's device
+            if device == "auto":  # the codec runs on the engine's device (docs/architecture.md)
                 device = "cuda" if torch.cuda.is_available() else "cpu"
             dac = DAC.from_dir(model, device=device)
             return dac, AudioTokenizer(dac, load_ssl(model, device=device))
@@ -507,7 +553,7 @@ class Engine:
         return EngineHealth(ready=self._ready, detail="ready" if self._ready else "starting")
 
     def load(self) -> EngineLoad:
-        responding = sum(1 for c in self._conversations.values() if c._response is not None)
+        responding = sum(1 for c in self._conversations.values() if c.responding)
         return EngineLoad(
             conversations=len(self._conversations),
             responding=responding,
@@ -529,7 +575,21 @@ class Engine:
 
     # --- work for conversations ----------------------------------------------------------------
 
-    def _tokenize(self, state, pcm: np.ndarray | None, finish: bool) -> asyncio.Future:
+    def new_salt(self, session_id: str) -> str:
+        """A prefix-cache salt no other conversation (or earlier prompt prefix) has used."""
+        return f"conv:{session_id}:{next(self._salt_ids)}"
+
+    def new_tokenizer_state(self):
+        return self._tokenizer.new_state()
+
+    def forget(self, session_id: str) -> None:
+        """A closed conversation no longer counts for capacity."""
+        self._conversations.pop(session_id, None)
+
+    def close_stream(self, response_id: str) -> None:
+        self._codec.close(response_id)
+
+    def tokenize(self, state, pcm: np.ndarray | None, finish: bool) -> asyncio.Future:
         """Feed audio (or the end of the turn) to the tokenizer thread; resolves to new frames."""
         tok = self._tokenizer
 
@@ -544,7 +604,7 @@ class Engine:
 
         return asyncio.wrap_future(self._tok_pool.submit(job))
 
-    def _cfg_max_frames(self, prompt_len: int, wanted: int) -> int:
+    def guided_max_frames(self, prompt_len: int, wanted: int) -> int:
         """A guided answer's frame cap: a CFG pair prefills whole (engine/README.md), so the
         prompt and the answer, twice, must fit one step's token budget."""
         fits = self.llm.cfg_max_steps(prompt_len) - MAX_DELAY
@@ -555,7 +615,7 @@ class Engine:
             )
         return min(wanted, fits)
 
-    async def _prefill(self, prompt: np.ndarray, salt: str) -> None:
+    async def prefill(self, prompt: np.ndarray, salt: str) -> None:
         req = AudioRequest(prompt=prompt, max_frames=1, sampling=SamplingConfig(temperature=0.0),
                            cache_salt=salt, prefill_only=True)
         try:
@@ -564,18 +624,19 @@ class Engine:
         except Exception:  # a failed prefill only costs time at the end of the turn
             log.exception("incremental prefill failed")
 
-    async def _run_response(self, conv: Conversation, request: AudioRequest, response: _Response) -> None:
-        """vLLM steps -> complete frames -> codec stage; PCM chunks come back via the sink."""
+    async def run_response(self, request: AudioRequest, response: Response) -> None:
+        """vLLM steps -> complete frames -> codec stage; PCM chunks come back via the sink.
+        The response's id is the vLLM request id and the codec stream id."""
         loop = asyncio.get_running_loop()
 
         def sink(pcm_chunk) -> None:  # codec-stage thread
-            loop.call_soon_threadsafe(response.chunks.put_nowait, self._audio_chunk(response.id, pcm_chunk))
+            loop.call_soon_threadsafe(response.deliver, self._audio_chunk(response.id, pcm_chunk))
 
         self._codec.open(response.id, sink)
         assembler = FrameAssembler()
         try:
             async for step_chunk in self.llm.stream_steps(request, response.id):
-                conv.cached_tokens_last_response = max(conv.cached_tokens_last_response, step_chunk.num_cached_tokens)
+                response.cached_tokens = max(response.cached_tokens, step_chunk.num_cached_tokens)
                 if step_chunk.engine_tokens == step_chunk.engine_batch:  # pure decode steps only
                     self._capacity.observe(step_chunk.engine_batch, step_chunk.engine_step_ms)
                 new = [assembler.push(row) for row in step_chunk.steps]
@@ -588,7 +649,7 @@ class Engine:
             raise
         except Exception as e:  # surface engine failures to the consumer, not just the log
             log.exception("response %s failed", response.id)
-            response.chunks.put_nowait(e)
+            response.deliver(e)
 
     @staticmethod
     def _audio_chunk(response_id: str, pcm_chunk) -> AudioChunk:

@@ -1,14 +1,17 @@
-"""The engine's interface to the gateway (DESIGN.md §4): types only, no torch, no vLLM.
+"""The engine's interface to the gateway (docs/architecture.md, "The engine contract"): types only,
+no torch, no vLLM.
 
 The gateway (realtime/) imports this module and nothing else from engine/ at import time;
-`engine.service.Engine` implements it.
+`engine.service.Engine` implements it, and tests/realtime/fake_engine.py fakes it.
 
     engine = await Engine.start(config)                  # vLLM engine + codec stage, warm
     conv = engine.open_conversation(session_id, options) # raises AtCapacity beyond capacity
     conv.push_user_audio(pcm_16k)                        # tokenized + prefilled while the user talks
     conv.end_user_turn()
-    async for chunk in conv.respond(): ...               # AudioChunk, in order, until is_last
-    conv.cancel(played_ms)                               # barge-in: stop; history keeps what was played
+    handle = conv.respond(response_id)                   # the gateway's id is the engine's request id
+    async for chunk in handle.chunks(): ...              # AudioChunk, in order, until is_last
+    handle.cancel(played_ms)                             # barge-in: stop; history keeps what was played
+    conv.truncate(response_id, played_ms)                # cut a finished answer (the client stopped playing it)
     await conv.close()
     engine.health(), engine.load()
 """
@@ -22,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-SAMPLE_RATE_HZ = 16_000  # engine-side audio: mono int16 at 16 kHz, in and out
+SAMPLE_RATE_HZ = 16_000  # engine-side audio: mono int16 at 16 kHz, in and out (the one definition)
 FRAME_MS = 20.0  # one model frame
 
 
@@ -110,6 +113,21 @@ class EngineLoad:
     extra: dict = field(default_factory=dict)
 
 
+class ResponseHandle(Protocol):
+    """One answer being generated. Its `id` is the gateway's response id, the engine's request id and
+    the codec stage's stream id: one name for one response everywhere."""
+
+    id: str
+
+    def chunks(self) -> AsyncIterator[AudioChunk]:
+        """The answer's audio, in order, until a chunk with `is_last`; ends early (without `is_last`)
+        once cancelled; raises `EngineError` when the engine fails the response. Iterate it once."""
+
+    def cancel(self, played_ms: float) -> None:
+        """Stop generating at the next step; the history keeps `played_ms` of this answer. Idempotent,
+        and valid before generation started (it then never starts) and after it ended (it cuts)."""
+
+
 class Conversation(Protocol):
     id: str
 
@@ -119,11 +137,17 @@ class Conversation(Protocol):
 
     def end_user_turn(self) -> None: ...
 
-    def respond(self) -> AsyncIterator[AudioChunk]: ...
+    def respond(self, response_id: str) -> ResponseHandle:
+        """Answer the user's turn (ending it if it is still open). Returns at once; generation starts
+        when the previous response, if cancelled and still winding down, has ended. Raises
+        `ResponseInProgress` while another response is generating and not cancelled."""
 
-    def cancel(self, played_ms: float) -> None: ...
+    def truncate(self, response_id: str, played_ms: float) -> None:
+        """The client played only `played_ms` of a finished answer: the history keeps that much.
+        Unknown or older responses are ignored (only the latest answer can still be cut)."""
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """End the conversation: cancel what runs, free its engine slot. Idempotent."""
 
     @property
     def history(self) -> list[HistoryTurn]: ...

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.service_api import FRAME_MS, SAMPLE_RATE_HZ  # the model's audio is the contract's
+
 # --- general specials -------------------------------------------------------------------------
 PAD = 0  # delay-pattern fill, streams 1-8 at text positions, stream 0 during the flush
 UNK = 1
@@ -57,8 +59,7 @@ DAC_OFFSET = SSL_OFFSET + SSL_SIZE  # 5256
 CODEBOOK_SIZE = 1024
 TEXT_OFFSET = DAC_OFFSET + NUM_CODEBOOKS * CODEBOOK_SIZE  # 13448
 
-FRAME_RATE_HZ = 50
-SAMPLE_RATE_HZ = 16_000
+FRAME_RATE_HZ = round(1000.0 / FRAME_MS)  # 50
 HOP_SAMPLES = SAMPLE_RATE_HZ // FRAME_RATE_HZ  # 320
 
 

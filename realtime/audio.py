@@ -21,7 +21,8 @@ from enum import Enum
 
 import numpy as np
 
-ENGINE_RATE_HZ = 16_000
+from engine.service_api import SAMPLE_RATE_HZ as ENGINE_RATE_HZ
+
 OPUS_FRAME_MS = 20
 
 

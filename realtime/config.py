@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
+from engine.service_api import ConversationOptions
+from realtime.vad import VadParams
 
 
 @dataclass(frozen=True)
@@ -53,21 +55,20 @@ class AudioSection:
 
 
 @dataclass(frozen=True)
-class VadSection:
+class VadSection(VadParams):
     """The default turn detection of a new session (clients change it with session.update)."""
 
     enabled: bool = True
-    threshold: float = 0.5
-    prefix_padding_ms: int = 300
-    silence_duration_ms: int = 500
-    create_response: bool = True
-    interrupt_response: bool = True
-    min_speech_ms: int = 64
+
+    def params(self) -> VadParams | None:
+        """The turn detection a new session starts with; None: the client commits its turns."""
+        return VadParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(VadParams)}) if self.enabled else None
 
 
 @dataclass(frozen=True)
 class SessionSection:
-    """Defaults of a new session's engine options (session.update overrides them)."""
+    """Defaults of a new session's settings: the base of `realtime.protocol.SessionSettings`, which
+    session.update changes per session."""
 
     instructions: str = ""
     voice: str = "default"  # "default" (the model's own) or a name in `voices`
@@ -80,6 +81,17 @@ class SessionSection:
     cfg_scale: float = ENGINE_DEFAULTS.cfg_scale
     max_response_ms: float = ENGINE_DEFAULTS.max_response_ms
 
+    def engine_options(self, voice_pcm: dict) -> ConversationOptions:
+        """The engine's options for these settings; `voice_pcm`: the server's voices, loaded (name -> 16 kHz PCM)."""
+        return ConversationOptions(system_prompt=self.instructions or None, speaker_prompt_pcm=voice_pcm.get(self.voice),
+                                   temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                                   cfg_scale=self.cfg_scale, max_response_ms=self.max_response_ms)
+
+
+# Phone calls (8 kHz mu-law, line noise, the caller's speakerphone echoing us): a stricter threshold
+# and 160 ms of speech before a barge-in; a longer pause ends a turn.
+TELEPHONY_VAD = VadParams(threshold=0.6, prefix_padding_ms=300, silence_duration_ms=600, min_speech_ms=160)
+
 
 @dataclass(frozen=True)
 class TelephonySection:
@@ -90,12 +102,7 @@ class TelephonySection:
     end_call_digit: str | None = "#"  # DTMF digit that ends the call; null: none does
     start_timeout_s: float = 10.0  # connected stream without a `start` for this long => closed
     ticket_ttl_s: float = 60.0  # the one-time stream token in the TwiML is valid this long
-    # Turn detection of phone calls (8 kHz mu-law, line noise, the caller's speakerphone echoing us):
-    # a stricter threshold and 160 ms of speech before a barge-in; a longer pause ends a turn.
-    vad_threshold: float = 0.6
-    vad_prefix_padding_ms: int = 300
-    vad_silence_duration_ms: int = 600
-    vad_min_speech_ms: int = 160
+    vad: VadParams = TELEPHONY_VAD  # turn detection of phone calls (a nested section: telephony.vad.threshold ...)
 
 
 @dataclass(frozen=True)
@@ -133,17 +140,25 @@ def _check(value, annotation, key: str):
     return value
 
 
-def _section(cls, data, key: str):
+def _section(cls, data, key: str, base=None):
+    """`data` checked against the dataclass `cls`; keys it leaves out keep `base`'s values (default: cls's).
+    A field whose type is a dataclass is a nested section (telephony.vad)."""
+    base = cls() if base is None else base
     if data is None:
-        return cls()
+        return base
     if not isinstance(data, dict):
         raise ValueError(f"config key '{key}': expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    for k in data:
+    values = {}
+    for k, v in data.items():
         if k not in names:
             raise ValueError(f"config key '{key}.{k}': unknown key (known: {', '.join(sorted(names))})")
-    return cls(**{k: _check(v, hints[k], f"{key}.{k}") for k, v in data.items()})
+        if isinstance(hints[k], type) and dataclasses.is_dataclass(hints[k]):
+            values[k] = _section(hints[k], v, f"{key}.{k}", getattr(base, k))
+        else:
+            values[k] = _check(v, hints[k], f"{key}.{k}")
+    return dataclasses.replace(base, **values)
 
 
 def config_from_dict(data: dict | None) -> ServerConfig:
@@ -178,9 +193,6 @@ def validate(cfg: ServerConfig) -> None:
         ("audio.output_frame_ms", cfg.audio.output_frame_ms in (10, 20, 40, 60, 80, 100)),
         ("audio.opus_complexity", 0 <= cfg.audio.opus_complexity <= 10),
         ("audio.vad_batch_ms", 0 <= cfg.audio.vad_batch_ms <= 200),
-        ("vad.threshold", 0.0 <= cfg.vad.threshold <= 1.0),
-        ("vad.silence_duration_ms", 0 <= cfg.vad.silence_duration_ms <= 10_000),
-        ("vad.prefix_padding_ms", 0 <= cfg.vad.prefix_padding_ms <= 10_000),
         ("session.top_p", 0.0 < cfg.session.top_p <= 1.0),
         ("session.max_response_ms", cfg.session.max_response_ms > 0),
         ("telephony.public_url", cfg.telephony.public_url is None or cfg.telephony.public_url.split("://")[0] in ("http", "https", "ws", "wss")),
@@ -188,14 +200,16 @@ def validate(cfg: ServerConfig) -> None:
                                                                               and cfg.telephony.end_call_digit in "0123456789*#ABCD")),
         ("telephony.start_timeout_s", cfg.telephony.start_timeout_s > 0),
         ("telephony.ticket_ttl_s", cfg.telephony.ticket_ttl_s > 0),
-        ("telephony.vad_threshold", 0.0 <= cfg.telephony.vad_threshold <= 1.0),
-        ("telephony.vad_prefix_padding_ms", 0 <= cfg.telephony.vad_prefix_padding_ms <= 10_000),
-        ("telephony.vad_silence_duration_ms", 0 <= cfg.telephony.vad_silence_duration_ms <= 10_000),
-        ("telephony.vad_min_speech_ms", 0 <= cfg.telephony.vad_min_speech_ms <= 10_000),
     ]
     for key, ok in checks:
         if not ok:
             raise ValueError(f"config key '{key}': value out of range")
+    for key, params in (("vad", cfg.vad), ("telephony.vad", cfg.telephony.vad)):
+        try:
+            params.validate()
+        except ValueError as e:  # "turn_detection.NAME must be ...": the same rule as session.update's
+            name = str(e).split()[0].split(".")[-1]
+            raise ValueError(f"config key '{key}.{name}': value out of range ({str(e).split(' ', 1)[1]})") from None
     for name, path in cfg.session.voices.items():
         if not isinstance(name, str) or not name or name == "default" or not isinstance(path, str):
             raise ValueError(f"config key 'session.voices.{name}': a voice is a name (not 'default') and a WAV file path")

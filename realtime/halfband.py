@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-HIGH_RATE_HZ = 16_000
-LOW_RATE_HZ = 8_000
+from engine.service_api import SAMPLE_RATE_HZ as ENGINE_RATE_HZ
+
+HIGH_RATE_HZ = ENGINE_RATE_HZ
+LOW_RATE_HZ = HIGH_RATE_HZ // 2  # G.711 telephony
 TAPS = 129
 CUTOFF_HZ = 3_700.0
 KAISER_BETA = 8.0

@@ -1,4 +1,4 @@
-"""Paced output on an absolute schedule counted in samples, with a bounded lead (STYLE rule 12).
+"""Paced output on an absolute schedule counted in samples, with a bounded lead.
 
 The n-th sample of a response is due at `start + n / rate - lead`: the client never holds more than
 `lead_ms` of unplayed audio, so a barge-in silences it within `lead_ms`, and the pacer's own estimate of

@@ -1,4 +1,4 @@
-"""The OpenAI-Realtime-style event machine for `WS /v1/realtime`, sans-I/O (STYLE rule 9).
+"""The OpenAI-Realtime-style event machine for `WS /v1/realtime`, sans-I/O.
 
     proto = RealtimeProtocol(session, limits)
     proto.open()                                # -> session.created
@@ -22,10 +22,10 @@ import binascii
 import itertools
 import json
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
-from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
 from engine.service_api import ConversationOptions
+from realtime.config import SessionSection
 from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat, parse_wire_format
 from realtime.session import (
     InputCleared, InputCommitted, ItemTruncated, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone,
@@ -59,28 +59,21 @@ class ResumeOffer:
     grace_s: float
 
 
-@dataclass
-class SessionSettings:
-    """What session.update sets beyond turn detection; the shell maps it onto the engine's options."""
+@dataclass(frozen=True)
+class SessionSettings(SessionSection):
+    """A session's settings: the server's defaults (config `session`), changed by session.update."""
 
     model: str = "duplex-opuslm"
-    instructions: str = ""
-    voice: str = "default"
-    # the engine's defaults, so the three layers cannot drift apart
-    temperature: float = ENGINE_DEFAULTS.temperature
-    top_k: int = ENGINE_DEFAULTS.top_k
-    top_p: float = ENGINE_DEFAULTS.top_p
-    seed: int | None = ENGINE_DEFAULTS.seed
-    cfg_scale: float = ENGINE_DEFAULTS.cfg_scale
-    max_response_ms: float = ENGINE_DEFAULTS.max_response_ms
     input_format: WireFormat = WireFormat.PCM16
     output_format: WireFormat = WireFormat.PCM16
-    voices: dict = field(default_factory=dict, compare=False, repr=False)  # the server's: name -> 16 kHz PCM
+    voice_pcm: dict = field(default_factory=dict, compare=False, repr=False)  # the server's voices, loaded: name -> 16 kHz PCM
+
+    @classmethod
+    def of(cls, defaults: SessionSection, voice_pcm: dict) -> SessionSettings:
+        return cls(**{f.name: getattr(defaults, f.name) for f in fields(SessionSection)}, voice_pcm=voice_pcm)
 
     def engine_options(self) -> ConversationOptions:
-        return ConversationOptions(system_prompt=self.instructions or None, speaker_prompt_pcm=self.voices.get(self.voice),
-                                   temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-                                   cfg_scale=self.cfg_scale, max_response_ms=self.max_response_ms)
+        return super().engine_options(self.voice_pcm)
 
 
 class ClientError(Exception):
@@ -152,6 +145,9 @@ class RealtimeProtocol:
         return json.dumps({"type": "session.resumed", "event_id": f"event_{next(self._event_ids)}", "session": self._session_object(),
                            "last_seq": last_seq, "replayed": replayed, "missed": missed}, separators=(",", ":"))
 
+    def engine_options(self) -> ConversationOptions:
+        return self.settings.engine_options()
+
     def take_engine_options(self) -> ConversationOptions | None:
         if not self.settings_changed:
             return None
@@ -171,7 +167,6 @@ class RealtimeProtocol:
             self.session.receive_audio(pcm, now)
         except SessionError as e:
             self._error(e, None)
-        self.send_session_events(self.session.events())
 
     def receive_text(self, text: str, now: float) -> None:
         event_id = None
@@ -190,7 +185,6 @@ class RealtimeProtocol:
             handler(self, ev, now)
         except (ClientError, SessionError) as e:
             self._error(e, event_id)
-        self.send_session_events(self.session.events())
 
     def receive_binary(self, data: bytes, now: float) -> None:
         try:
@@ -207,7 +201,6 @@ class RealtimeProtocol:
             self.session.receive_audio(pcm, now)
         except (ClientError, SessionError) as e:
             self._error(e, None)
-        self.send_session_events(self.session.events())
 
     def _on_append(self, ev: dict, now: float) -> None:
         audio = _get(ev, "audio", str, required=True)
@@ -258,16 +251,16 @@ class RealtimeProtocol:
 
     def _on_session_update(self, ev: dict, now: float) -> None:
         cfg = _get(ev, "session", dict, required=True)
-        s = replace(self.settings)
+        changes: dict = {}
         vad_change = _UNSET = object()
         audio = _get(cfg, "audio", dict, prefix="session.") or {}
         inp = _get(audio, "input", dict, prefix="session.audio.") or {}
         out = _get(audio, "output", dict, prefix="session.audio.") or {}
         try:
             if "format" in inp or "input_audio_format" in cfg:
-                s.input_format = parse_wire_format(inp.get("format", cfg.get("input_audio_format")))
+                changes["input_format"] = parse_wire_format(inp.get("format", cfg.get("input_audio_format")))
             if "format" in out or "output_audio_format" in cfg:
-                s.output_format = parse_wire_format(out.get("format", cfg.get("output_audio_format")))
+                changes["output_format"] = parse_wire_format(out.get("format", cfg.get("output_audio_format")))
         except ValueError as e:
             raise ClientError("invalid_value", str(e), "session.audio.format") from None
         if "turn_detection" in inp or "turn_detection" in cfg:
@@ -276,19 +269,20 @@ class RealtimeProtocol:
         if voice is not None:
             if not isinstance(voice, str):
                 raise ClientError("invalid_type", "'session.audio.output.voice' must be a string", "session.audio.output.voice")
-            if self._audio_started and voice != s.voice:
+            if self._audio_started and voice != self.settings.voice:
                 raise ClientError("invalid_value", "the voice cannot change once audio has been output", "session.audio.output.voice")
-            s.voice = voice
+            changes["voice"] = voice
         if (instr := _get(cfg, "instructions", str, prefix="session.")) is not None:
-            s.instructions = instr
+            changes["instructions"] = instr
         if (model := _get(cfg, "model", str, prefix="session.")) is not None:
-            s.model = model
+            changes["model"] = model
         if (temp := _get(cfg, "temperature", (int, float), prefix="session.")) is not None:
-            s.temperature = float(temp)
+            changes["temperature"] = float(temp)
         ours = _get(cfg, "duplex", dict, prefix="session.") or {}
         for key, types in (("top_k", int), ("top_p", (int, float)), ("seed", int), ("cfg_scale", (int, float)), ("max_response_ms", (int, float))):
             if (v := _get(ours, key, types, prefix="session.duplex.")) is not None:
-                setattr(s, key, v)
+                changes[key] = v
+        s = replace(self.settings, **changes)
         _check_sampling(s)
         # All validated: apply.
         if vad_change is not _UNSET:
@@ -437,7 +431,7 @@ class RealtimeProtocol:
                       "output": {"format": s.output_format.to_wire(), "voice": s.voice}},
             "duplex": {"top_k": s.top_k, "top_p": s.top_p, "seed": s.seed, "cfg_scale": s.cfg_scale,
                        "temperature": s.temperature, "max_response_ms": s.max_response_ms,
-                       "lead_ms": self.session.limits.lead_ms, "binary_opus": True, "voices": ["default", *s.voices]},
+                       "lead_ms": self.session.limits.lead_ms, "binary_opus": True, "voices": ["default", *s.voice_pcm]},
         }
 
     @staticmethod

@@ -1,17 +1,17 @@
-"""One session's task, shared by every transport (DESIGN.md §2).
+"""One session's task, shared by every transport (docs/architecture.md, "The session runner").
 
 A transport brings two things: a `Link` (its message channel: the WebSocket, the WebRTC data channel)
 and a `WireProtocol` (its sans-I/O event machine: OpenAI Realtime events, Twilio Media Streams). The
-runner owns everything else: the session loop, the engine conversation's commands and responses,
-bounded queues, pacing wake-ups, idle timeout, slow-client disconnect, metrics.
+runner owns everything else: the session loop, the engine's response handles, bounded queues,
+pacing wake-ups, idle timeout, slow-client disconnect, metrics. Only this loop calls the session.
 
-    link reader ──inbound──▶ session loop ──outbound──▶ link writer
-    engine responses ──┘     (protocol + Session + engine commands; the only owner of their state)
-    transport audio ───┘     (WebRTC track: ("audio", pcm16k) items)
+    link reader ──client lane──▶ session loop ──outbound──▶ link writer
+    transport audio ─┘           (protocol + Session + engine commands; the only owner of their state)
+    response handles ──server lane──┘   (engine chunks never wait behind client input)
 
-The session loop waits for input or the next pacing deadline, feeds the protocol, releases due audio,
-runs engine commands and hands wire messages to the writer. A full outbound queue means the client
-does not read: it is disconnected with a reason.
+The loop waits for input or the next pacing deadline, feeds the protocol, releases due audio, runs
+engine commands and hands wire messages to the writer. A full outbound queue means the client does
+not read: it is disconnected with a reason.
 
 Resume (a runner given a `resume_token`; docs/protocol.md "Reconnect and resume"): every message sent
 is numbered and kept in a bounded `ReplayBuffer`. When the link is lost without a goodbye
@@ -28,39 +28,28 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Protocol
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from engine.service_api import ConversationOptions, EngineError
+from engine.service_api import Conversation, ConversationOptions, ResponseHandle
+from realtime.config import LimitsSection
+from realtime.link import Link
+from realtime.messages import (
+    Attach, ClientMessage, CloseReason, Closing, EngineChunk, EngineFailed, Inbound, LinkClosed, Shutdown,
+    TransportAudio, VadReady,
+)
+from realtime.metrics import GatewayMetrics
 from realtime.resume import ReplayBuffer, ResumeRefused
-from realtime.session import CancelResponse, EndTurn, PushAudio, Session, SessionStats, StartResponse
-
-if TYPE_CHECKING:
-    from realtime.server import Gateway
+from realtime.session import CancelResponse, EndTurn, PushAudio, Session, SessionStats, StartResponse, TruncateResponse
+from realtime.vad_batch import VadBatcher
 
 log = logging.getLogger("duplex.gateway")
 
-CLOSE_NORMAL = 1000
-CLOSE_GOING_AWAY = 1001
-CLOSE_SLOW_CLIENT = 1008
-CLOSE_TRY_AGAIN = 1013
-
 _OBSERVE_FRAMES_S = 0.25
-_DEADLINE = ("deadline",)  # queued by the loop's timer: wake up and look at the clock
-
-
-class Link(Protocol):
-    """A transport's message channel. A link of a resumable session also has `lost() -> bool`: after
-    `messages()` ended, True when the connection died without a goodbye (the client may come back)."""
-
-    def messages(self) -> AsyncIterator[str | bytes]:
-        """The client's messages; ends when the client goes away."""
-
-    async def send(self, message: str | bytes) -> None: ...
-
-    async def close(self, code: int, reason: str) -> None: ...
 
 
 class WireProtocol(Protocol):
@@ -68,6 +57,7 @@ class WireProtocol(Protocol):
 
     session: Session
     closing: tuple[int, str] | None  # set when the protocol itself ends the session (e.g. Twilio `stop`)
+    client_errors: int
 
     def open(self) -> None: ...
 
@@ -85,17 +75,95 @@ class WireProtocol(Protocol):
         """New engine options when the client changed them since the last call, else None."""
 
 
+@dataclass(frozen=True)
+class RunnerDeps:
+    """What a session's task needs from the server around it, and nothing more."""
+
+    limits: LimitsSection
+    metrics: GatewayMetrics
+    vad: VadBatcher | None  # None: each session runs its own VAD windows at once
+    server_closing: Callable[[], bool]  # True once the server stops: a lost link is then not kept for a resume
+
+
+class SessionInbox:
+    """The session loop's two input lanes and its one waiter.
+
+    The client lane is bounded (`limit`): a reader waits for room, a transport pushing audio learns
+    that it is full and counts the frame dropped. The server lane (engine chunks, VAD and shutdown
+    notices) is never full, so an answer is never stalled by a client's input.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._client: deque[Inbound] = deque()
+        self._server: deque[Inbound] = deque()
+        self._waiter: asyncio.Future | None = None
+        self._room: asyncio.Future | None = None
+
+    def wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def put_server(self, item: Inbound) -> None:
+        self._server.append(item)
+        self.wake()
+
+    def put_client_nowait(self, item: Inbound) -> bool:
+        if len(self._client) >= self.limit:
+            return False
+        self._client.append(item)
+        self.wake()
+        return True
+
+    async def put_client(self, item: Inbound) -> None:
+        while len(self._client) >= self.limit:
+            if self._room is None or self._room.done():
+                self._room = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._room)
+        self._client.append(item)
+        self.wake()
+
+    @property
+    def empty(self) -> bool:
+        return not self._client and not self._server
+
+    async def wait(self) -> None:
+        """Until an item arrives or `wake()` (the deadline timer) is called."""
+        if not self.empty:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def take_all(self) -> list[Inbound]:
+        """Everything queued, the server lane's first (neither lane's order depends on the other's)."""
+        items = [*self._server, *self._client]
+        self._server.clear()
+        if self._client:
+            self._client.clear()
+            if self._room is not None and not self._room.done():
+                self._room.set_result(None)
+        return items
+
+
 class SessionRunner:
     """Runs one session until the client goes, the protocol ends it, or the server stops it."""
 
-    def __init__(self, gw: Gateway, link: Link, proto: WireProtocol, conv, transport: str, resume_token: str | None = None) -> None:
-        lim = gw.config.limits
-        self.gw, self.proto, self.conv = gw, proto, conv
+    def __init__(self, deps: RunnerDeps, link: Link, proto: WireProtocol, conv: Conversation, transport: str,
+                 resume_token: str | None = None, playback: Callable[[str], float] | None = None) -> None:
+        """`playback`: for a transport that plays the answer itself (WebRTC's paced track), the audio of a
+        response it has played so far (ms); the session's cursor is set from it before every client input."""
+        lim = deps.limits
+        self.deps, self.proto, self.conv = deps, proto, conv
+        self.limits = lim
         self.link: Link | None = link  # None while detached
         self.session = proto.session
         self.id = self.session.id
         self.transport = transport
-        self.inbound: asyncio.Queue = asyncio.Queue(lim.inbound_queue)
+        self.inbox = SessionInbox(lim.inbound_queue)
         self.outbound: asyncio.Queue = asyncio.Queue(lim.outbound_queue)  # the current link's; a new one per attach
         self.task: asyncio.Task | None = None
         self.resume_token = resume_token  # set: a lost link detaches the session instead of ending it
@@ -105,17 +173,16 @@ class SessionRunner:
         self._reader_task: asyncio.Task | None = None
         self._writer_task: asyncio.Task | None = None
         self._link_closers: set[asyncio.Task] = set()
-        self.closing: tuple[int, str] | None = None
+        self.closing: Closing | None = None
         self._stats = SessionStats()
-        self._responses: dict[str, asyncio.Task] = {}
-        self._entered: set[str] = set()  # responses whose conv.respond() has begun
-        self._cancelled_early: set[str] = set()
-        self._last_response: asyncio.Task | None = None
+        self._latest: ResponseHandle | None = None  # the one response the session may still cancel or cut
+        self._pumps: set[asyncio.Task] = set()  # each response's chunks -> the server lane
         self._started = time.monotonic()
         self._last_client = self._started
         self._vad_submitted = False  # the session's VAD stream waits in the gateway's batcher
         self._observed_at = self._started
         self._deadline_timer: asyncio.TimerHandle | None = None
+        self._playback = playback
 
     async def run(self) -> None:
         self.task = asyncio.current_task()
@@ -130,19 +197,19 @@ class SessionRunner:
             self._observe(time.monotonic(), force=True)
             if self._reader_task is not None:
                 self._reader_task.cancel()
-            for t in self._responses.values():
+            for t in self._pumps:
                 t.cancel()
             await self.outbound.put(None) if not self.outbound.full() else None
             if self._writer_task is not None:
                 try:
-                    await asyncio.wait_for(self._writer_task, timeout=self.gw.config.limits.close_timeout_s)
-                except (asyncio.TimeoutError, Exception):
+                    await asyncio.wait_for(self._writer_task, timeout=self.limits.close_timeout_s)
+                except Exception:  # a timeout or the writer's own failure: the socket is closed below anyway
                     self._writer_task.cancel()
-            code, reason = self.closing or (CLOSE_NORMAL, "")
             if self.link is not None:
-                await self._close_link(self.link, code, reason)
+                closing = self.closing or Closing(CloseReason.CLIENT_CLOSED)
+                await self._close_link(self.link, closing.close_code, closing.text)
             if self._link_closers:
-                await asyncio.wait(self._link_closers, timeout=self.gw.config.limits.close_timeout_s)
+                await asyncio.wait(self._link_closers, timeout=self.limits.close_timeout_s)
 
     async def attach(self, link: Link, last_seq: int) -> None:
         """Resume this session on a new link (the client received messages 1..last_seq).
@@ -154,7 +221,7 @@ class SessionRunner:
             raise ResumeRefused("resume_failed", "this session cannot be resumed")
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(self.inbound.put(("attach", link, last_seq, done)), self.gw.config.limits.open_timeout_s)
+            await asyncio.wait_for(self.inbox.put_client(Attach(link, last_seq, done)), self.limits.open_timeout_s)
         except asyncio.TimeoutError:
             raise ResumeRefused("resume_failed", "the session is too busy to resume") from None
         if self.task is not None:
@@ -169,56 +236,49 @@ class SessionRunner:
         """Messages numbered so far (the resume sequence); None when the session cannot be resumed."""
         return None if self._replay is None else self._replay.last_seq
 
-    def shutdown(self, code: str, message: str) -> None:
+    def shutdown(self, reason: CloseReason, code: str, message: str) -> None:
         """Ask the session task to send a final error event and close (server stop, idle timeout)."""
-        try:
-            self.inbound.put_nowait(("shutdown", code, message))
-        except asyncio.QueueFull:
-            self.closing = (CLOSE_GOING_AWAY, message)
-            if self.task:
-                self.task.cancel()
+        self.inbox.put_server(Shutdown(reason, code, message))
+
+    def end_reason(self) -> CloseReason:
+        """Why the session ended, for `duplex_sessions_ended_total{reason}` and the log."""
+        if self.closing is not None:
+            return self.closing.reason
+        if getattr(self.link, "sent_close_code", lambda: None)() == CloseReason.MESSAGE_TOO_BIG.close_code:
+            return CloseReason.MESSAGE_TOO_BIG
+        return CloseReason.CLIENT_CLOSED
 
     def _submit_vad(self) -> None:
         """Waiting user audio: settle what needs no model call, queue the rest's windows in the batch."""
         self.session.settle_vad(run=False)  # audio that completes no window
         if not self.session.vad_pending:
             return
-        if self.gw.vad is None:  # batching off: run this session's windows now
+        if self.deps.vad is None:  # batching off: run this session's windows now
             self.session.settle_vad()
             return
         self._vad_submitted = True
-        self.gw.vad.submit(self.session.vad_stream(), self._vad_ran)
+        self.deps.vad.submit(self.session.vad_stream(), self._vad_ran)
 
     def _vad_ran(self) -> None:
         """The batcher ran this session's VAD windows: settle its waiting audio in the loop."""
         self._vad_submitted = False
-        try:
-            self.inbound.put_nowait(("vad",))
-        except asyncio.QueueFull:
-            pass  # the loop is busy; it submits the stream again and settles after the next tick
+        self.inbox.put_server(VadReady())
 
     def push_audio(self, pcm: np.ndarray) -> bool:
-        """Transport audio (int16, 16 kHz) for the session; False when the inbound queue is full (frame dropped)."""
-        try:
-            self.inbound.put_nowait(("audio", pcm))
-            return True
-        except asyncio.QueueFull:
-            return False
+        """Transport audio (int16, 16 kHz) for the session; False when the client lane is full (frame dropped)."""
+        return self.inbox.put_client_nowait(TransportAudio(pcm))
 
     def wake(self) -> None:
         """Make the loop run now (a transport's state changed, e.g. its playback cursor)."""
-        try:
-            self.inbound.put_nowait(("wake",))
-        except asyncio.QueueFull:
-            pass  # the loop is busy anyway
+        self.inbox.wake()
 
     async def _reader(self, link: Link) -> None:
         try:
             async for message in link.messages():
-                await self.inbound.put(("message", message))
+                await self.inbox.put_client(ClientMessage(message))
         except Exception as e:  # a dropped connection ends the session like a close
             log.debug("session %s: reader ended: %s", self.id, e)
-        await self.inbound.put(("closed", link))
+        self.inbox.put_server(LinkClosed(link))  # never dropped, even behind a full client lane
 
     async def _writer(self, link: Link, outbound: asyncio.Queue, first: list[str | bytes]) -> None:
         try:
@@ -254,11 +314,11 @@ class SessionRunner:
     def _on_link_closed(self, link: Link, now: float) -> bool:
         """The current link ended: True to keep the session (detached, resumable), False to end it."""
         lost = self.resume_token is not None and link.lost()
-        if not lost or self.gw.closing or self.gw.config.limits.resume_grace_s <= 0:
+        if not lost or self.deps.server_closing() or self.limits.resume_grace_s <= 0:
             return False
-        self._drop_link(CLOSE_GOING_AWAY, "connection lost")
+        self._drop_link(CloseReason.CONNECTION_LOST.close_code, "connection lost")
         self._detached_at = now
-        log.info("session %s: connection lost, kept %.0f s for a resume", self.id, self.gw.config.limits.resume_grace_s)
+        log.info("session %s: connection lost, kept %.0f s for a resume", self.id, self.limits.resume_grace_s)
         return True
 
     def _attach(self, link: Link, last_seq: int, done: asyncio.Future, now: float) -> None:
@@ -278,9 +338,9 @@ class SessionRunner:
             self._flush()
             replay = self._replay.since(last_seq)
         if self.link is not None:
-            self._drop_link(CLOSE_NORMAL, "resumed on another connection")
+            self._drop_link(1000, "resumed on another connection")
         self.link, self._detached_at, self._last_client = link, None, now
-        self.outbound = asyncio.Queue(self.gw.config.limits.outbound_queue)
+        self.outbound = asyncio.Queue(self.limits.outbound_queue)
         self.resumes += 1
         resumed = self.proto.resumed_message(last_seq, len(replay.messages), replay.missed)
         self._start_link([resumed, *replay.messages])
@@ -288,16 +348,23 @@ class SessionRunner:
         done.set_result(None)
 
     async def _session_loop(self) -> None:
-        lim = self.gw.config.limits
+        lim = self.limits
         next_due: float | None = None
         while self.closing is None:
             now = time.monotonic()
             idle_at = self._last_client + lim.idle_timeout_s if self._detached_at is None else self._detached_at + lim.resume_grace_s
             wake = min(next_due if next_due is not None else idle_at, idle_at)
-            items = await self._next_items(wake, now)
+            if self.inbox.empty and wake > now:
+                self._arm_deadline(wake)
+                await self.inbox.wait()
+            # Handling everything queued before the per-wake work (pacing, events, engine commands,
+            # metrics) does that work once per wake-up instead of once per audio packet.
+            items = self.inbox.take_all()
             now = time.monotonic()
+            if self._playback is not None:
+                self._sync_playback()  # a barge-in in this input truncates at what was really played
             for item in items:
-                if item[0] == "closed" and item[1] is self.link and not self._on_link_closed(item[1], now):
+                if isinstance(item, LinkClosed) and item.link is self.link and not self._on_link_closed(item.link, now):
                     return
                 self._handle(item, now)
                 self.proto.send_session_events(self.session.events())  # keeps events and errors in input order
@@ -306,10 +373,10 @@ class SessionRunner:
             if not items:  # woken by a deadline, not by input
                 if self._detached_at is not None and now >= idle_at:
                     log.info("session %s: not resumed within %.0f s", self.id, lim.resume_grace_s)
-                    self.closing = (CLOSE_GOING_AWAY, "not resumed in time")
+                    self.closing = Closing(CloseReason.CONNECTION_LOST, "not resumed in time")
                     return
                 if now >= idle_at and (self.session.response is None or self.session.response.status.finished):
-                    self._close_with_error("idle_timeout", f"no client event for {lim.idle_timeout_s:.0f} s", CLOSE_NORMAL)
+                    self._close_with_error(CloseReason.IDLE_TIMEOUT, "idle_timeout", f"no client event for {lim.idle_timeout_s:.0f} s")
             if self.session.vad_pending and not self._vad_submitted:
                 self._submit_vad()
             # While detached nothing is paced out: undelivered audio is not played; pacing resumes on attach.
@@ -319,25 +386,16 @@ class SessionRunner:
             self._flush()
             self._observe(now)
             if self.proto.closing is not None and self.closing is None:
-                self.closing = self.proto.closing
+                code, text = self.proto.closing
+                self.closing = Closing(CloseReason.PROTOCOL_END if code == 1000 else CloseReason.POLICY, text, code)
 
-    async def _next_items(self, wake: float, now: float) -> list[tuple]:
-        """Everything queued by `wake` (at least one item unless the deadline passed), oldest first.
-
-        Handling all queued items before the loop's per-wake work (pacing, events, engine commands,
-        metrics) makes that work once per wake-up instead of once per audio packet.
-        """
-        q = self.inbound
-        items = []
-        if q.empty() and wake > now:
-            self._arm_deadline(wake)
-            items.append(await q.get())
-        while not q.empty():
-            items.append(q.get_nowait())
-        return [item for item in items if item is not _DEADLINE]
+    def _sync_playback(self) -> None:
+        r = self.session.response
+        if r is not None and not r.status.finished:
+            self.session.receive_played(self._playback(r.id), 0, r.id)
 
     def _arm_deadline(self, when: float) -> None:
-        """Have `_DEADLINE` queued at `when`, or earlier: one timer kept across waits, not one per
+        """Have the loop woken at `when`, or earlier: one timer kept across waits, not one per
         wait. The idle deadline moves with every client message and the pacing one with every
         frame; a timer already due sooner is kept (its early wake-up just looks at the clock
         and re-arms), so most waits arm nothing."""
@@ -349,66 +407,59 @@ class SessionRunner:
 
     def _deadline_due(self) -> None:
         self._deadline_timer = None
-        try:
-            self.inbound.put_nowait(_DEADLINE)
-        except asyncio.QueueFull:
-            pass  # the loop has input to handle; it looks at the clock after it
+        self.inbox.wake()
 
-    def _handle(self, item: tuple, now: float) -> None:
-        kind = item[0]
-        if kind == "message":
-            self._last_client = now
-            self.proto.receive(item[1], now)
-            if (options := self.proto.take_engine_options()) is not None:
-                self.conv.update_options(options)  # applies from the conversation's next response on
-        elif kind == "audio":
-            self._last_client = now
-            self.proto.receive_audio(item[1], now)
-        elif kind == "chunk":
-            _, rid, chunk = item
-            self.session.receive_engine_chunk(rid, chunk.pcm, chunk.text_delta, chunk.is_last, chunk.deadline, now)
-        elif kind == "engine_error":
-            _, rid, exc = item
-            self.session.receive_engine_error(rid, now)
-            self.proto.error(getattr(exc, "code", "engine_error"), f"the engine failed this response: {exc}")
-        elif kind == "vad":
-            self.session.settle_vad(run=False)  # audio that came after the batch waits for the next one
-        elif kind == "shutdown":
-            self._close_with_error(item[1], item[2], CLOSE_GOING_AWAY)
-        elif kind == "attach":
-            self._attach(item[1], item[2], item[3], now)
+    def _handle(self, item: Inbound, now: float) -> None:
+        match item:
+            case ClientMessage(data):
+                self._last_client = now
+                self.proto.receive(data, now)
+                if (options := self.proto.take_engine_options()) is not None:
+                    self.conv.update_options(options)  # applies from the conversation's next response on
+            case TransportAudio(pcm):
+                self._last_client = now
+                self.proto.receive_audio(pcm, now)
+            case EngineChunk(rid, chunk):
+                self.session.receive_engine_chunk(rid, chunk.pcm, chunk.text_delta, chunk.is_last, chunk.deadline, now)
+            case EngineFailed(rid, error):
+                self.session.receive_engine_error(rid, now)
+                self.proto.error(getattr(error, "code", "engine_error"), f"the engine failed this response: {error}")
+            case VadReady():
+                self.session.settle_vad(run=False)  # audio that came after the batch waits for the next one
+            case Shutdown(reason, code, message):
+                self._close_with_error(reason, code, message)
+            case Attach(link, last_seq, done):
+                self._attach(link, last_seq, done, now)
+            case LinkClosed():
+                pass  # an old link's reader, replaced by a resume
 
     def _run_commands(self) -> None:
         for cmd in self.session.commands():
-            if isinstance(cmd, PushAudio):
-                self.conv.push_user_audio(cmd.pcm)
-            elif isinstance(cmd, EndTurn):
-                self.conv.end_user_turn()
-            elif isinstance(cmd, StartResponse):
-                prev = self._last_response
-                self._last_response = self._responses[cmd.response_id] = asyncio.create_task(self._respond(cmd.response_id, prev))
-            elif isinstance(cmd, CancelResponse):
-                if cmd.response_id in self._responses and cmd.response_id not in self._entered:
-                    self._cancelled_early.add(cmd.response_id)
-                else:
-                    self.conv.cancel(cmd.played_ms)
+            match cmd:
+                case PushAudio(pcm):
+                    self.conv.push_user_audio(pcm)
+                case EndTurn():
+                    self.conv.end_user_turn()
+                case StartResponse(rid):
+                    self._latest = handle = self.conv.respond(rid)
+                    pump = asyncio.create_task(self._pump(handle))
+                    self._pumps.add(pump)
+                    pump.add_done_callback(self._pumps.discard)
+                case CancelResponse(rid, played_ms):
+                    if self._latest is not None and self._latest.id == rid:
+                        self._latest.cancel(played_ms)
+                case TruncateResponse(rid, played_ms):
+                    self.conv.truncate(rid, played_ms)
 
-    async def _respond(self, rid: str, prev: asyncio.Task | None) -> None:
+    async def _pump(self, handle: ResponseHandle) -> None:
         try:
-            if prev is not None:
-                await asyncio.wait([prev])
-            if rid in self._cancelled_early:
-                return
-            self._entered.add(rid)
-            async for chunk in self.conv.respond():  # no await between add() and the first step
-                await self.inbound.put(("chunk", rid, chunk))
+            async for chunk in handle.chunks():
+                self.inbox.put_server(EngineChunk(handle.id, chunk))
         except asyncio.CancelledError:
             raise
-        except (EngineError, Exception) as e:
-            log.warning("session %s response %s failed: %s", self.id, rid, e)
-            await self.inbound.put(("engine_error", rid, e))
-        finally:
-            self._responses.pop(rid, None)
+        except Exception as e:  # EngineError, or anything else the engine raised: the session reports it
+            log.warning("session %s response %s failed: %s", self.id, handle.id, e)
+            self.inbox.put_server(EngineFailed(handle.id, e))
 
     def _flush(self) -> None:
         for msg in self.proto.data_to_send():
@@ -419,14 +470,14 @@ class SessionRunner:
             try:
                 self.outbound.put_nowait(msg)
             except asyncio.QueueFull:
-                self.closing = (CLOSE_SLOW_CLIENT, "slow client: outbound queue full")
-                self.gw.metrics.sessions_refused.labels("slow_client").inc()
+                self.closing = Closing(CloseReason.SLOW_CLIENT, "slow client: outbound queue full")
+                self.deps.metrics.sessions_refused.labels("slow_client").inc()
                 return
 
-    def _close_with_error(self, code: str, message: str, close_code: int) -> None:
+    def _close_with_error(self, reason: CloseReason, code: str, message: str) -> None:
         self.proto.error(code, message)
         self._flush()
-        self.closing = self.closing or (close_code, message[:120])
+        self.closing = self.closing or Closing(reason, message[:120])
 
     def _observe(self, now: float, force: bool = False) -> None:
         """Count the session's new figures in the gateway's metrics. Input frames change with every
@@ -436,13 +487,13 @@ class SessionRunner:
                 seen.barge_ins, seen.underruns_reported, seen.chunks_late, len(seen.ttfa_ms)):
             if st.input_frames == seen.input_frames or (not force and now - self._observed_at < _OBSERVE_FRAMES_S):
                 return
-        self.gw.metrics.add_stats_delta(st, seen)
+        self.deps.metrics.add_stats_delta(st, seen)
         self._stats = dataclasses.replace(st, ttfa_ms=list(st.ttfa_ms))
         self._observed_at = now
 
     def log_end(self) -> None:
         st = self.session.stats
         ttfa = f"{statistics.median(st.ttfa_ms):.0f} ms" if st.ttfa_ms else "-"
-        log.info("session %s (%s) end: %.1f s, %d responses, %d barge-ins, ttfa p50 %s, %d chunks late, %d underruns reported%s",
+        log.info("session %s (%s) end: %.1f s, %d responses, %d barge-ins, ttfa p50 %s, %d chunks late, %d underruns reported, %s%s",
                  self.id, self.transport, time.monotonic() - self._started, st.responses, st.barge_ins, ttfa, st.chunks_late,
-                 st.underruns_reported, f", closed: {self.closing[1]}" if self.closing and self.closing[1] else "")
+                 st.underruns_reported, self.end_reason().label, f": {self.closing.text}" if self.closing and self.closing.text else "")

@@ -1,4 +1,4 @@
-"""One conversation's turn-taking, transport-agnostic and sans-I/O (DESIGN.md §2, STYLE rule 9).
+"""One conversation's turn-taking, transport-agnostic and sans-I/O (docs/architecture.md, "The session").
 
 Inputs arrive through `receive_*()` methods, always with the monotonic time `now` passed in; the
 caller drains two outputs:
@@ -25,10 +25,12 @@ from enum import IntEnum
 
 import numpy as np
 
+from engine.service_api import SAMPLE_RATE_HZ
+
 from realtime.pacing import Pacer
 from realtime.vad import ServerVad, SileroVad, VadParams, run_silero
 
-RATE_HZ = 16_000
+RATE_HZ = SAMPLE_RATE_HZ  # the engine-side rate: user audio in, the answer out
 
 
 class SessionError(Exception):
@@ -149,11 +151,21 @@ class StartResponse:
 
 @dataclass(frozen=True)
 class CancelResponse:
+    """Stop a response that is still running (barge-in, cancel)."""
+
     response_id: str
     played_ms: float  # the assistant turn keeps exactly this much audio
 
 
-EngineCommand = PushAudio | EndTurn | StartResponse | CancelResponse
+@dataclass(frozen=True)
+class TruncateResponse:
+    """Cut a finished response's turn in the history to what the client played."""
+
+    response_id: str
+    played_ms: float
+
+
+EngineCommand = PushAudio | EndTurn | StartResponse | CancelResponse | TruncateResponse
 
 
 # --- state ---------------------------------------------------------------------------------------
@@ -165,6 +177,7 @@ class SessionLimits:
     lead_ms: float = 150.0  # audio sent ahead of real time
     max_turn_ms: float = 60_000.0  # a client-committed turn may hold at most this much audio
     max_response_buffer_ms: float = 120_000.0  # engine audio waiting for the pacer
+    acked_playback: bool = False  # the transport acknowledges every played millisecond (Twilio marks): until it does, nothing has played
 
 
 @dataclass
@@ -402,6 +415,7 @@ class Session:
             raise SessionError("conversation_already_has_active_response", f"response {self.response.id} is still in progress")
         r = Response(id=new_id("resp"), item_id=new_id("item"), epoch=self._epoch)
         r.turn_end_time = self._speech_end_time
+        r.acked_ms = 0.0 if self.limits.acked_playback else None
         self._speech_end_time = None
         self.response = r
         self._assistant_items[r.item_id] = r
@@ -510,7 +524,7 @@ class Session:
         if not r.status.finished:
             self._interrupt("client_cancelled", now)
         else:
-            self._commands.append(CancelResponse(r.id, float(audio_end_ms)))  # the engine re-cuts the finished turn
+            self._commands.append(TruncateResponse(r.id, float(audio_end_ms)))
         self._events.append(ItemTruncated(item_id, float(audio_end_ms)))
 
     def played_ms(self, now: float) -> float:

@@ -1,4 +1,4 @@
-"""Twilio Media Streams (bidirectional), sans-I/O (STYLE rule 9): the protocol behind `WS /v1/telephony/twilio`.
+"""Twilio Media Streams (bidirectional), sans-I/O: the protocol behind `WS /v1/telephony/twilio`.
 
 Messages as Twilio documents them (https://www.twilio.com/docs/voice/media-streams/websocket-messages),
 all JSON text frames:
@@ -42,6 +42,7 @@ from typing import ClassVar
 from urllib.parse import urlsplit, urlunsplit
 from xml.sax.saxutils import quoteattr
 
+from engine.service_api import ConversationOptions
 from realtime.audio import ulaw_decode, ulaw_encode
 from realtime.halfband import Downsampler, Upsampler
 from realtime.session import (
@@ -114,8 +115,10 @@ class StreamStats:
 
 class TwilioProtocol:
     def __init__(self, session: Session, limits: TwilioLimits | None = None, end_call_digit: str | None = "#",
-                 on_fault: Callable[[str], None] | None = None) -> None:
+                 on_fault: Callable[[str], None] | None = None, options: ConversationOptions | None = None) -> None:
         self.session = session
+        self.options = options or ConversationOptions()  # the server's session defaults: a call cannot change them
+        self.client_errors = 0  # Twilio gets no error events: its faults are counted by kind (`faults`)
         self.limits = limits or TwilioLimits()
         self.end_call_digit = end_call_digit
         self.state = StreamState.AWAITING_START
@@ -142,7 +145,10 @@ class TwilioProtocol:
         out, self._out = self._out, []
         return out
 
-    def take_engine_options(self):
+    def engine_options(self) -> ConversationOptions:
+        return self.options
+
+    def take_engine_options(self) -> None:
         return None  # Twilio has no way to change them mid-call
 
     def error(self, code: str, message: str) -> None:
@@ -151,7 +157,6 @@ class TwilioProtocol:
 
     def receive_audio(self, pcm, now: float) -> None:
         self.session.receive_audio(pcm, now)
-        self.send_session_events(self.session.events())
 
     def receive(self, message: str | bytes, now: float) -> None:
         if self.state is StreamState.STOPPED:
@@ -177,7 +182,6 @@ class TwilioProtocol:
             handler(self, msg, now)
         except SessionError as e:  # not raised in VAD mode; kept so client input can never end the task
             self._fault("session_error", f"{e.code}: {e.message}", msg)
-        self.send_session_events(self.session.events())
 
     # ---- Twilio -> us ----
     def _on_connected(self, msg: dict, now: float) -> None:
@@ -269,8 +273,7 @@ class TwilioProtocol:
         for ev in events:
             if isinstance(ev, ResponseCreated):
                 self._encoder.reset()
-                self._playback = _Playback(ev.response_id)
-                self.session.receive_played(0.0, response_id=ev.response_id)  # nothing has played until a mark says so
+                self._playback = _Playback(ev.response_id)  # nothing has played until a mark says so (SessionLimits.acked_playback)
             elif isinstance(ev, ResponseAudio):
                 if ev.response_id == self._playback.response_id:  # else: late audio of a cleared response
                     self._send_media(self._encoder.encode(ev.pcm))

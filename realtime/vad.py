@@ -21,7 +21,9 @@ from enum import IntEnum
 
 import numpy as np
 
-VAD_RATE_HZ = 16_000
+from engine.service_api import SAMPLE_RATE_HZ as ENGINE_RATE_HZ
+
+VAD_RATE_HZ = ENGINE_RATE_HZ  # Silero takes 16 kHz, the engine-side rate the session works at
 WINDOW_SAMPLES = 512  # 32 ms: the window Silero v5 takes at 16 kHz
 WINDOW_MS = 1000.0 * WINDOW_SAMPLES / VAD_RATE_HZ
 _CONTEXT_SAMPLES = 64  # Silero v5 prepends the previous window's last 64 samples

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from engine.codec.wavio import read_wav  # stdlib wave + numpy only: no torch in the gateway
+from engine.service_api import SAMPLE_RATE_HZ
 from realtime.audio import StreamResampler
 
-RATE_HZ = 16_000
+RATE_HZ = SAMPLE_RATE_HZ  # speaker prompts go to the engine
 MAX_SECONDS = 30.0  # the engine uses the first 10 s; longer files are a config mistake
 
 

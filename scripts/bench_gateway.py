@@ -37,11 +37,30 @@ from engine.service_api import AudioChunk, EngineHealth, EngineLoad, HistoryTurn
 ANSWER_MS = 2000
 
 
+class FixedResponse:
+    """A 2 s tone, produced 2x faster than real time in 100 ms chunks."""
+
+    def __init__(self, response_id: str, pcm: np.ndarray) -> None:
+        self.id = response_id
+        self._pcm = pcm
+        self._cancelled = False
+
+    async def chunks(self):
+        step = 1600
+        for i in range(0, self._pcm.size, step):
+            if self._cancelled:
+                return
+            await asyncio.sleep(0.05)
+            yield AudioChunk(self.id, self._pcm[i : i + step], i / 16, 100.0, time.monotonic() + 1, "", i + step >= self._pcm.size)
+
+    def cancel(self, played_ms: float) -> None:
+        self._cancelled = True
+
+
 class FixedConversation:
     def __init__(self, sid: str) -> None:
         self.id = sid
         self._pcm = (6000 * np.sin(2 * np.pi * 220 * np.arange(16 * ANSWER_MS) / 16000)).astype(np.int16)
-        self._cancelled = False
 
     def update_options(self, options) -> None: ...
 
@@ -49,17 +68,10 @@ class FixedConversation:
 
     def end_user_turn(self) -> None: ...
 
-    async def respond(self):
-        self._cancelled = False
-        step = 1600  # 100 ms chunks, produced 2x faster than real time
-        for i in range(0, self._pcm.size, step):
-            if self._cancelled:
-                return
-            await asyncio.sleep(0.05)
-            yield AudioChunk("r", self._pcm[i : i + step], i / 16, 100.0, time.monotonic() + 1, "", i + step >= self._pcm.size)
+    def respond(self, response_id: str) -> FixedResponse:
+        return FixedResponse(response_id, self._pcm)
 
-    def cancel(self, played_ms: float) -> None:
-        self._cancelled = True
+    def truncate(self, response_id: str, played_ms: float) -> None: ...
 
     async def close(self) -> None: ...
 

@@ -57,7 +57,7 @@ async def one_turn(engine: Engine, name: str, args: argparse.Namespace, seed: in
         t_end = time.monotonic()
         conv.end_user_turn()
         arrivals, starts = [], []
-        async for chunk in conv.respond():
+        async for chunk in conv.respond(f"{name}-resp").chunks():
             arrivals.append(time.monotonic())
             starts.append(chunk.start_ms / 1000.0)
         play0 = arrivals[0]
@@ -77,7 +77,7 @@ async def ttfa_with_history(engine: Engine, name: str, turns: int, args: argpars
             t_end = time.monotonic()
             conv.end_user_turn()
             first = None
-            async for _ in conv.respond():
+            async for _ in conv.respond(f"{name}-resp{t}").chunks():
                 first = first or time.monotonic()
             ttfa = first - t_end
         return ttfa

@@ -1,4 +1,4 @@
-"""Soak runs: simulated callers over real sockets against a running server (DESIGN.md §7).
+"""Soak runs: simulated callers over real sockets against a running server (docs/soak.md).
 
     speaker.py   the simulated loudspeaker of one answer: jitter buffer, deadlines, lateness, underruns
     callers.py   one caller per transport (WebSocket pcm16, WebSocket Opus, WebRTC, Twilio), one script

@@ -15,7 +15,6 @@ The protocol is `realtime.twilio_protocol.TwilioProtocol`; this module is its I/
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 import time
@@ -28,9 +27,8 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from engine.service_api import AtCapacity
-from realtime.runner import CLOSE_TRY_AGAIN, SessionRunner
-from realtime.session import new_id
-from realtime.transports.websocket import WebSocketLink
+from realtime.http import HttpReply, HttpRequest, HttpRoute, WsRoute
+from realtime.transports.websocket import CLOSE_TRY_AGAIN, WebSocketLink
 from realtime.twilio_protocol import (
     FRAME_MS,
     StreamState,
@@ -39,24 +37,23 @@ from realtime.twilio_protocol import (
     signature_valid,
     stream_url,
 )
-from realtime.vad import VadParams
 
 if TYPE_CHECKING:
-    from realtime.server import Gateway, HttpReply, HttpRequest
+    from realtime.transports.context import TransportContext
 
 log = logging.getLogger("duplex.twilio")
 
+NAME = "twilio"
 STREAM_PATH = "/v1/telephony/twilio"
 TWIML_PATH = "/v1/telephony/twiml"
 CLOSE_POLICY = 1008
 
 
-def register(gw: Gateway) -> None:
-    from realtime.server import HttpRoute, WsRoute
-
-    bridge = TwilioBridge(gw)
-    gw.ws_routes[STREAM_PATH] = WsRoute(bridge.stream, auth=False)
-    gw.http_routes[TWIML_PATH] = HttpRoute(bridge.twiml, methods=("POST", "GET"), auth=False)
+def register(ctx: TransportContext) -> TwilioBridge:
+    bridge = TwilioBridge(ctx)
+    ctx.routes.ws[STREAM_PATH] = WsRoute(bridge.stream, auth=False)
+    ctx.routes.http[TWIML_PATH] = HttpRoute(bridge.twiml, methods=("POST", "GET"), auth=False)
+    return bridge
 
 
 class TicketBook:
@@ -80,84 +77,78 @@ class TicketBook:
         return entry is not None and entry[0] > self.clock() and entry[1] in (None, call_sid)
 
 
-def telephony_vad(gw: Gateway) -> VadParams:
-    t = gw.config.telephony
-    return VadParams(threshold=t.vad_threshold, prefix_padding_ms=t.vad_prefix_padding_ms, silence_duration_ms=t.vad_silence_duration_ms,
-                     create_response=True, interrupt_response=True, min_speech_ms=t.vad_min_speech_ms)
-
-
 class TwilioBridge:
-    def __init__(self, gw: Gateway) -> None:
-        self.tickets = TicketBook(gw.config.telephony.ticket_ttl_s)
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.tickets = TicketBook(ctx.config.telephony.ticket_ttl_s)
 
     # ---- TwiML webhook ----
-    async def twiml(self, gw: Gateway, req: HttpRequest) -> HttpReply:
-        from realtime.server import HttpReply
-
+    async def twiml(self, req: HttpRequest) -> HttpReply:
         form = parse_qsl(req.body.decode("utf-8", "replace"), keep_blank_values=True) if req.method == "POST" else []
-        if not self._webhook_authorized(gw, req, form):
-            status = HTTPStatus.FORBIDDEN if gw.config.telephony.twilio_auth_token else HTTPStatus.UNAUTHORIZED
-            gw.metrics.sessions_refused.labels("unauthorized").inc()
+        if not self._webhook_authorized(req, form):
+            status = HTTPStatus.FORBIDDEN if self.config.telephony.twilio_auth_token else HTTPStatus.UNAUTHORIZED
+            self.ctx.metrics.sessions_refused.labels("unauthorized").inc()
             return HttpReply(status, "invalid X-Twilio-Signature or token\n")
         call_sid = dict(form).get("CallSid") or next(iter(req.query.get("CallSid", [])), None)
-        params = {"token": self.tickets.issue(call_sid)} if gw.token else {}
-        url = stream_url(self._public_base(gw, req), STREAM_PATH)
+        params = {"token": self.tickets.issue(call_sid)} if self.ctx.auth.token else {}
+        url = stream_url(self._public_base(req), STREAM_PATH)
         return HttpReply(HTTPStatus.OK, render_twiml(url, params), "text/xml; charset=utf-8")
 
-    def _public_base(self, gw: Gateway, req: HttpRequest) -> str:
-        return gw.config.telephony.public_url or gw.config.server.public_url or f"https://{req.headers.get('Host', 'localhost')}"
+    def _public_base(self, req: HttpRequest) -> str:
+        return self.config.telephony.public_url or self.config.server.public_url or f"https://{req.headers.get('Host', 'localhost')}"
 
-    def _webhook_authorized(self, gw: Gateway, req: HttpRequest, form: list[tuple[str, str]]) -> bool:
-        auth_token = gw.config.telephony.twilio_auth_token
+    def _webhook_authorized(self, req: HttpRequest, form: list[tuple[str, str]]) -> bool:
+        auth, auth_token = self.ctx.auth, self.config.telephony.twilio_auth_token
         if not auth_token:
-            return gw.authorized(req.headers, req.query)
+            return auth.authorized(req.headers, req.query)
         signature = req.headers.get("X-Twilio-Signature")
         if signature:
             query = urlencode([(k, v) for k, vs in req.query.items() for v in vs])
-            url = self._public_base(gw, req).rstrip("/") + req.path + (f"?{query}" if query else "")
+            url = self._public_base(req).rstrip("/") + req.path + (f"?{query}" if query else "")
             if signature_valid(auth_token, url, form, signature):
                 return True
             log.warning("twiml webhook: X-Twilio-Signature does not match %s", url)
-        return bool(gw.token) and gw.authorized(req.headers, req.query)
+        return bool(auth.token) and auth.authorized(req.headers, req.query)
 
     # ---- the media stream ----
-    async def stream(self, gw: Gateway, ws: ServerConnection) -> None:
-        session_id = new_id("sess")
-        proto = TwilioProtocol(gw.new_session(session_id, vad=telephony_vad(gw), output_frame_ms=FRAME_MS),
-                               end_call_digit=gw.config.telephony.end_call_digit,
-                               on_fault=lambda kind: gw.metrics.telephony_faults.labels(kind).inc())
-        if not await self._await_start(gw, ws, proto):
+    async def stream(self, ws: ServerConnection) -> None:
+        admission, metrics, cfg = self.ctx.admission, self.ctx.metrics, self.config
+        proto = TwilioProtocol(admission.new_session(vad=cfg.telephony.vad, output_frame_ms=FRAME_MS, acked_playback=True),
+                               end_call_digit=cfg.telephony.end_call_digit,
+                               on_fault=lambda kind: metrics.telephony_faults.labels(kind).inc(),
+                               options=cfg.session.engine_options(self.ctx.voices))
+        if not await self._await_start(ws, proto):
             return
         start = proto.start
         token = start.custom_parameters.get("token", "")
-        if not self._stream_authorized(gw, token, start.call_sid):
+        if not self._stream_authorized(token, start.call_sid):
             log.warning("twilio stream %s (call %s): missing or invalid token: closed", start.stream_sid, start.call_sid)
-            gw.metrics.sessions_refused.labels("unauthorized").inc()
+            metrics.sessions_refused.labels("unauthorized").inc()
             await ws.close(CLOSE_POLICY, "missing or invalid token")
             return
-        from realtime.server import session_settings
-
         try:
-            conv = gw.open_conversation(session_id, session_settings(gw.config, gw.voices).engine_options())
+            runner = admission.open_session(NAME, WebSocketLink(ws), proto)
         except AtCapacity as e:
             log.warning("twilio stream %s (call %s): refused: %s", start.stream_sid, start.call_sid, e)
             await ws.close(CLOSE_TRY_AGAIN, "server at capacity")
             return
-        await gw.run_session(SessionRunner(gw, WebSocketLink(ws), proto, conv, "twilio"))
+        await admission.run(runner)
         log.info("twilio stream %s: ended (%d frames in, %d out, %d marks echoed, %d clears, digits %r, faults %s)",
                  start.stream_sid, proto.stats.media_in, proto.stats.media_out, proto.stats.marks_echoed, proto.stats.clears,
                  "".join(proto.stats.digits), dict(proto.faults) or "none")
 
-    async def _await_start(self, gw: Gateway, ws: ServerConnection, proto: TwilioProtocol) -> bool:
+    async def _await_start(self, ws: ServerConnection, proto: TwilioProtocol) -> bool:
         """Read until `start` (`connected` comes first); False when the stream ended or was closed instead."""
+        timeout_s = self.config.telephony.start_timeout_s
         try:
-            async with asyncio.timeout(gw.config.telephony.start_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 async for message in ws:
                     proto.receive(message, time.monotonic())
                     if proto.state is not StreamState.AWAITING_START:
                         break
         except TimeoutError:
-            log.warning("twilio stream: no start within %.0f s: closed", gw.config.telephony.start_timeout_s)
+            log.warning("twilio stream: no start within %.0f s: closed", timeout_s)
             await ws.close(CLOSE_POLICY, "no start message")
             return False
         except ConnectionClosed:
@@ -168,9 +159,8 @@ class TwilioBridge:
             return False
         return True
 
-    def _stream_authorized(self, gw: Gateway, token: str, call_sid: str) -> bool:
-        if not gw.token:
-            return True
-        if token and hmac.compare_digest(token, gw.token):
+    def _stream_authorized(self, token: str, call_sid: str) -> bool:
+        auth = self.ctx.auth
+        if not auth.token or auth.matches(token):
             return True
         return bool(token) and self.tickets.redeem(token, call_sid)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import fractions
-import json
 import logging
 import time
 from collections import deque
@@ -38,16 +37,19 @@ from av import AudioFrame
 
 from engine.service_api import AtCapacity
 from realtime.audio import StreamResampler
+from realtime.http import HttpReply, HttpRequest, HttpRoute, json_error
+from realtime.metrics import GatewayMetrics
 from realtime.protocol import RealtimeProtocol
 from realtime.runner import SessionRunner
-from realtime.session import RATE_HZ, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone, new_id
+from realtime.session import RATE_HZ, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone
 from realtime.transports.websocket import realtime_protocol
 
 if TYPE_CHECKING:
-    from realtime.server import Gateway, HttpReply, HttpRequest
+    from realtime.transports.context import TransportContext
 
 log = logging.getLogger("duplex.webrtc")
 
+NAME = "webrtc"
 CALLS_PATH = "/v1/realtime/calls"
 DATA_CHANNEL = "oai-events"
 RTP_RATE_HZ = 48_000
@@ -56,20 +58,14 @@ MAX_OFFER_BYTES = 64 * 1024
 _MAX_LATE_FRAMES = 5  # behind schedule by more than this: restart the clock instead of bursting
 
 
-def register(gw: Gateway) -> None:
-    from realtime.server import HttpRoute
-
-    gw.http_routes[CALLS_PATH] = HttpRoute(handle_offer, methods=("POST",))
-    gw.webrtc_peers = set()
-    gw.metrics.webrtc_peers.set_function(lambda: len(gw.webrtc_peers))
-    if _is_loopback(gw.config.server.host):
+def register(ctx: TransportContext) -> WebRtcCalls:
+    calls = WebRtcCalls(ctx)
+    ctx.routes.http[CALLS_PATH] = HttpRoute(calls.handle_offer, methods=("POST",))
+    ctx.metrics.webrtc_peers.set_function(lambda: len(calls.peers))
+    if _is_loopback(ctx.config.server.host):
         _offer_loopback_candidates()
-
-    async def close_all() -> None:
-        for pc in list(gw.webrtc_peers):
-            await pc.close()
-
-    gw.on_stop(close_all)
+    ctx.on_stop(calls.close_all)
+    return calls
 
 
 class PacedAudioTrack(MediaStreamTrack):
@@ -165,19 +161,6 @@ class WebRtcProtocol(RealtimeProtocol):
     def _make_encoder(self):
         return _NoWireAudio()
 
-    def receive_audio(self, pcm, now: float) -> None:
-        self.sync_cursor()  # a barge-in in this audio truncates at what the track really sent
-        super().receive_audio(pcm, now)
-
-    def receive_text(self, text: str, now: float) -> None:
-        self.sync_cursor()
-        super().receive_text(text, now)
-
-    def sync_cursor(self) -> None:
-        r = self.session.response
-        if r is not None and r.id == self._playing and not r.status.finished:
-            self.session.receive_played(self.track.emitted_ms(r.id), 0, r.id)
-
     def send_session_events(self, events: list) -> None:
         super().send_session_events(events)
         # An answer's audio is over when the session finished it and the track has played it all.
@@ -268,86 +251,94 @@ class DataChannelLink:
     async def close(self, code: int, reason: str) -> None:
         await self.pc.close()
 
+    async def opened(self) -> None:
+        """Until the data channel is open (or the link ended)."""
+        await self._open.wait()
 
-async def handle_offer(gw: Gateway, req: HttpRequest) -> HttpReply:
-    from realtime.server import HttpReply
 
-    ctype = req.headers.get("Content-Type", "").split(";")[0].strip().lower()
-    if ctype != "application/sdp":
-        return _error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "invalid_request", "the offer must be sent as application/sdp")
-    try:
-        sdp = req.body.decode("utf-8")
-    except UnicodeDecodeError:
-        return _error(HTTPStatus.BAD_REQUEST, "invalid_offer", "the SDP offer is not UTF-8 text")
-    if not sdp.startswith("v=0") or "m=audio" not in sdp:
-        return _error(HTTPStatus.BAD_REQUEST, "invalid_offer", "the SDP offer must be an SDP document with an audio m-line")
+class WebRtcCalls:
+    """The calls of this server: SDP offers in, one peer connection per session."""
 
-    session_id = new_id("sess")
-    track = PacedAudioTrack()
-    session = gw.new_session(session_id, output_frame_ms=20)
-    base = realtime_protocol(gw, session)
-    proto = WebRtcProtocol(session, base.limits, base.settings, base.opus, track=track)
-    try:
-        conv = gw.open_conversation(session_id, proto.settings.engine_options())
-    except AtCapacity as e:
-        return _error(HTTPStatus.SERVICE_UNAVAILABLE, AtCapacity.code, str(e), {"Retry-After": "5"})
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+        self.peers: set[RTCPeerConnection] = set()  # live peer connections (exported in /metrics)
 
-    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    gw.webrtc_peers.add(pc)
-    link = DataChannelLink(pc)
-    runner = SessionRunner(gw, link, proto, conv, "webrtc")
-    gw.sessions[session_id] = runner  # counted against limits.max_sessions while its data channel opens
-    inputs: list[asyncio.Task] = []
-    mic = MicCounts()
-
-    @pc.on("datachannel")
-    def _on_datachannel(channel) -> None:
-        if channel.label == DATA_CHANNEL and link.channel is None:
-            link.attach(channel)
-
-    @pc.on("track")
-    def _on_track(remote) -> None:
-        if remote.kind == "audio":
-            mic.receivers = [r for r in pc.getReceivers() if r.track is remote]
-            inputs.append(asyncio.create_task(_read_microphone(remote, runner, gw, mic)))
-
-    @pc.on("connectionstatechange")
-    async def _on_state() -> None:
-        if pc.connectionState in ("failed", "closed"):
-            link.end()
-
-    try:
-        await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
-        pc.addTrack(track)  # answers the offer's audio m-line: sendrecv
-        await pc.setLocalDescription(await pc.createAnswer())
-    except Exception as e:  # a malformed or unsupported offer
-        log.info("session %s: bad offer: %s", session_id, e)
-        await pc.close()
-        gw.webrtc_peers.discard(pc)
-        gw.sessions.pop(session_id, None)
-        await conv.close()
-        return _error(HTTPStatus.BAD_REQUEST, "invalid_offer", f"the SDP offer could not be used: {e}")
-
-    async def run() -> None:
-        try:
-            await asyncio.wait_for(link._open.wait(), gw.config.limits.open_timeout_s)
-        except asyncio.TimeoutError:
-            log.info("session %s: no %r data channel within %.0f s; closing", session_id, DATA_CHANNEL, gw.config.limits.open_timeout_s)
-            link.end()
-        try:
-            await gw.run_session(runner)
-        finally:
-            for t in inputs:
-                t.cancel()
-            track.stop()
+    async def close_all(self) -> None:
+        for pc in list(self.peers):
             await pc.close()
-            gw.webrtc_peers.discard(pc)
-            await mic.account(runner, gw)
 
-    task = asyncio.create_task(run())
-    gw.background.add(task)
-    task.add_done_callback(gw.background.discard)
-    return HttpReply(HTTPStatus.CREATED, pc.localDescription.sdp, "application/sdp", {"Location": f"{CALLS_PATH}/{session_id}"})
+    async def handle_offer(self, req: HttpRequest) -> HttpReply:
+        ctype = req.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if ctype != "application/sdp":
+            return json_error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "invalid_request", "the offer must be sent as application/sdp")
+        try:
+            sdp = req.body.decode("utf-8")
+        except UnicodeDecodeError:
+            return json_error(HTTPStatus.BAD_REQUEST, "invalid_offer", "the SDP offer is not UTF-8 text")
+        if not sdp.startswith("v=0") or "m=audio" not in sdp:
+            return json_error(HTTPStatus.BAD_REQUEST, "invalid_offer", "the SDP offer must be an SDP document with an audio m-line")
+
+        admission, open_timeout_s = self.ctx.admission, self.ctx.config.limits.open_timeout_s
+        track = PacedAudioTrack()
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        link = DataChannelLink(pc)
+        proto = realtime_protocol(self.ctx, admission.new_session(output_frame_ms=20), protocol_class=WebRtcProtocol, track=track)
+        try:
+            # counted against the cap while its data channel opens; a barge-in truncates at what the track really sent
+            runner = admission.open_session(NAME, link, proto, playback=track.emitted_ms)
+        except AtCapacity as e:
+            await pc.close()
+            return json_error(HTTPStatus.SERVICE_UNAVAILABLE, AtCapacity.code, str(e), {"Retry-After": "5"})
+        session_id = runner.id
+        self.peers.add(pc)
+        inputs: list[asyncio.Task] = []
+        mic = MicCounts()
+
+        @pc.on("datachannel")
+        def _on_datachannel(channel) -> None:
+            if channel.label == DATA_CHANNEL and link.channel is None:
+                link.attach(channel)
+
+        @pc.on("track")
+        def _on_track(remote) -> None:
+            if remote.kind == "audio":
+                mic.receivers = [r for r in pc.getReceivers() if r.track is remote]
+                inputs.append(asyncio.create_task(_read_microphone(remote, runner, self.ctx.metrics, mic)))
+
+        @pc.on("connectionstatechange")
+        async def _on_state() -> None:
+            if pc.connectionState in ("failed", "closed"):
+                link.end()
+
+        try:
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+            pc.addTrack(track)  # answers the offer's audio m-line: sendrecv
+            await pc.setLocalDescription(await pc.createAnswer())
+        except Exception as e:  # a malformed or unsupported offer
+            log.info("session %s: bad offer: %s", session_id, e)
+            await pc.close()
+            self.peers.discard(pc)
+            await admission.abandon(runner)
+            return json_error(HTTPStatus.BAD_REQUEST, "invalid_offer", f"the SDP offer could not be used: {e}")
+
+        async def run() -> None:
+            try:
+                await asyncio.wait_for(link.opened(), open_timeout_s)
+            except asyncio.TimeoutError:
+                log.info("session %s: no %r data channel within %.0f s; closing", session_id, DATA_CHANNEL, open_timeout_s)
+                link.end()
+            try:
+                await admission.run(runner)
+            finally:
+                for t in inputs:
+                    t.cancel()
+                track.stop()
+                await pc.close()
+                self.peers.discard(pc)
+                await mic.account(runner, self.ctx.metrics)
+
+        admission.background(run())
+        return HttpReply(HTTPStatus.CREATED, pc.localDescription.sdp, "application/sdp", {"Location": f"{CALLS_PATH}/{session_id}"})
 
 
 class MicCounts:
@@ -358,9 +349,9 @@ class MicCounts:
         self.decoded = 0  # frames out of aiortc's decoder
         self.queue_full = 0  # dropped: the session's inbound queue was full
 
-    async def account(self, runner: SessionRunner, gw: Gateway) -> None:
+    async def account(self, runner: SessionRunner, metrics: GatewayMetrics) -> None:
         """At hang-up: frames decoded but not consumed, and packets still in aiortc's jitter buffer."""
-        drop = gw.metrics.frames_dropped
+        drop = metrics.frames_dropped
         tail = self.decoded - self.queue_full - runner.session.stats.input_frames
         if tail > 0:
             drop.labels("webrtc", "in_queue_at_hangup").inc(tail)
@@ -375,7 +366,7 @@ class MicCounts:
             drop.labels("webrtc", "jitter_buffer_at_hangup").inc(received - self.decoded)
 
 
-async def _read_microphone(remote, runner: SessionRunner, gw: Gateway, counts: MicCounts) -> None:
+async def _read_microphone(remote, runner: SessionRunner, metrics: GatewayMetrics, counts: MicCounts) -> None:
     """Decoded RTP audio -> int16 16 kHz mono -> the session (through the runner's queue)."""
     resampler: StreamResampler | None = None
     try:
@@ -392,16 +383,9 @@ async def _read_microphone(remote, runner: SessionRunner, gw: Gateway, counts: M
             pcm16 = resampler.process(pcm)  # may be empty at first (soxr's delay): still one frame consumed
             if not runner.push_audio(pcm16):
                 counts.queue_full += 1
-                gw.metrics.frames_dropped.labels("webrtc", "inbound_queue_full").inc()
+                metrics.frames_dropped.labels("webrtc", "inbound_queue_full").inc()
     except (MediaStreamError, asyncio.CancelledError):
         return
-
-
-def _error(status: HTTPStatus, code: str, message: str, headers: dict | None = None) -> HttpReply:
-    from realtime.server import HttpReply
-
-    body = json.dumps({"error": {"type": "invalid_request_error" if status < 500 else "server_error", "code": code, "message": message}})
-    return HttpReply(status, body, "application/json", headers or {})
 
 
 def _is_loopback(host: str) -> bool:

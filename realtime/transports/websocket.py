@@ -10,7 +10,6 @@ handler finds the session by its token, hands the runner the new link, and lives
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -21,15 +20,18 @@ from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
 
 from engine.service_api import AtCapacity
-from realtime.protocol import OpusOutput, ProtocolLimits, RealtimeProtocol, ResumeOffer
+from realtime.http import WsRoute
+from realtime.protocol import OpusOutput, ProtocolLimits, RealtimeProtocol, ResumeOffer, SessionSettings
 from realtime.resume import ResumeRefused, new_resume_token
-from realtime.runner import CLOSE_NORMAL, CLOSE_TRY_AGAIN, SessionRunner
-from realtime.session import new_id
+from realtime.session import Session
 
 if TYPE_CHECKING:
-    from realtime.server import Gateway
+    from realtime.transports.context import TransportContext
 
+NAME = "websocket"
 PATH = "/v1/realtime"
+CLOSE_NORMAL = 1000
+CLOSE_TRY_AGAIN = 1013
 
 
 class WebSocketLink:
@@ -55,11 +57,10 @@ class WebSocketLink:
         p = self.ws.protocol
         return p.close_rcvd is None and (p.close_sent is None or p.close_sent.code == CloseCode.INTERNAL_ERROR)
 
-
-def register(gw: Gateway) -> None:
-    from realtime.server import WsRoute
-
-    gw.ws_routes[PATH] = WsRoute(handle)
+    def sent_close_code(self) -> int | None:
+        """The code of the close frame we sent (websockets itself sends 1009 for a message too big)."""
+        sent = self.ws.protocol.close_sent
+        return None if sent is None else sent.code
 
 
 def error_event(code: str, message: str) -> str:
@@ -68,47 +69,49 @@ def error_event(code: str, message: str) -> str:
                                                                         "message": message, "param": None, "event_id": None}})
 
 
-def realtime_protocol(gw: Gateway, session, resume_token: str | None = None) -> RealtimeProtocol:
-    from realtime.server import session_settings
-
-    cfg = gw.config
+def realtime_protocol(ctx: TransportContext, session: Session, resume_token: str | None = None,
+                      protocol_class: type[RealtimeProtocol] = RealtimeProtocol, **extra) -> RealtimeProtocol:
+    """The OpenAI Realtime event machine for a session, with the server's settings (WebRTC's data channel too)."""
+    cfg = ctx.config
     resume = ResumeOffer(resume_token, cfg.limits.resume_grace_s) if resume_token else None
-    return RealtimeProtocol(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes), session_settings(cfg, gw.voices),
-                            OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity), resume)
+    return protocol_class(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes),
+                          SessionSettings.of(cfg.session, ctx.voices), OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity),
+                          resume, **extra)
 
 
-async def handle(gw: Gateway, ws: ServerConnection) -> None:
-    query = parse_qs(urlsplit(ws.request.path).query)
-    if "resume" in query:
-        return await resume(gw, ws, query)
-    session_id = new_id("sess")
-    token = new_resume_token() if gw.config.limits.resume_grace_s > 0 else None
-    proto = realtime_protocol(gw, gw.new_session(session_id), token)
-    try:
-        conv = gw.open_conversation(session_id, proto.settings.engine_options())
-    except AtCapacity as e:
-        await ws.send(error_event(AtCapacity.code, str(e)))
-        await ws.close(CLOSE_TRY_AGAIN, "server at capacity")
-        return
-    await gw.run_session(SessionRunner(gw, WebSocketLink(ws), proto, conv, "websocket", resume_token=token))
+def register(ctx: TransportContext) -> None:
+    admission, limits = ctx.admission, ctx.config.limits
 
-
-async def resume(gw: Gateway, ws: ServerConnection, query: dict[str, list[str]]) -> None:
-    """`?resume=TOKEN&last_seq=N`: re-attach a detached (or still attached) session to this connection."""
-    token = query["resume"][0]
-    runner = next((r for r in list(gw.sessions.values())
-                   if r.resume_token is not None and hmac.compare_digest(r.resume_token, token)), None)
-    try:
+    async def handle(ws: ServerConnection) -> None:
+        query = parse_qs(urlsplit(ws.request.path).query)
+        if "resume" in query:
+            return await resume(ws, query)
+        token = new_resume_token() if limits.resume_grace_s > 0 else None
+        proto = realtime_protocol(ctx, admission.new_session(), token)
         try:
-            last_seq = int(query.get("last_seq", ["0"])[0])
-        except ValueError:
-            raise ResumeRefused("invalid_last_seq", "last_seq must be an integer") from None
-        if runner is None:
-            raise ResumeRefused("resume_failed", f"no session to resume with this token (sessions are kept "
-                                                 f"{gw.config.limits.resume_grace_s:.0f} s after a dropped connection)")
-        await runner.attach(WebSocketLink(ws), last_seq)
-    except ResumeRefused as e:
-        await ws.send(error_event(e.code, e.message))
-        await ws.close(CLOSE_NORMAL, e.message[:120])
-        return
-    await ws.wait_closed()  # the runner owns the connection now; it closes it when the session ends
+            runner = admission.open_session(NAME, WebSocketLink(ws), proto, resume_token=token)
+        except AtCapacity as e:
+            await ws.send(error_event(AtCapacity.code, str(e)))
+            await ws.close(CLOSE_TRY_AGAIN, "server at capacity")
+            return
+        await admission.run(runner)
+
+    async def resume(ws: ServerConnection, query: dict[str, list[str]]) -> None:
+        """`?resume=TOKEN&last_seq=N`: re-attach a detached (or still attached) session to this connection."""
+        runner = admission.find_resumable(query["resume"][0])
+        try:
+            try:
+                last_seq = int(query.get("last_seq", ["0"])[0])
+            except ValueError:
+                raise ResumeRefused("invalid_last_seq", "last_seq must be an integer") from None
+            if runner is None:
+                raise ResumeRefused("resume_failed", f"no session to resume with this token (sessions are kept "
+                                                     f"{limits.resume_grace_s:.0f} s after a dropped connection)")
+            await runner.attach(WebSocketLink(ws), last_seq)
+        except ResumeRefused as e:
+            await ws.send(error_event(e.code, e.message))
+            await ws.close(CLOSE_NORMAL, e.message[:120])
+            return
+        await ws.wait_closed()  # the runner owns the connection now; it closes it when the session ends
+
+    ctx.routes.ws[PATH] = WsRoute(handle)

@@ -35,7 +35,7 @@ def test_guided_conversation_equals_the_reference_cfg(service, loop_thread, tiny
         conv = service.open_conversation("guided", options)
         conv.push_user_audio(pcm)
         conv.end_user_turn()
-        chunks = [c async for c in conv.respond()]
+        chunks = [c async for c in conv.respond("resp_guided").chunks()]
         prompt, frames = conv.last_prompt.copy(), conv._turns[-1].frames.copy()
         await conv.close()
         return chunks, prompt, frames

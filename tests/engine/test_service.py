@@ -4,6 +4,7 @@ the reference pipeline, barge-in truncation, KV reuse across turns, admission co
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import numpy as np
 import pytest
@@ -50,12 +51,16 @@ async def talk(conv, pcm: np.ndarray, piece_ms: float = 100.0, realtime: bool = 
     conv.end_user_turn()
 
 
+_response_ids = itertools.count()
+
+
 async def answer(conv, cancel_after_ms: float | None = None, played_ms: float = 0.0):
     chunks = []
-    async for chunk in conv.respond():
+    handle = conv.respond(f"resp_{next(_response_ids)}")
+    async for chunk in handle.chunks():
         chunks.append(chunk)
         if cancel_after_ms is not None and chunk.start_ms + chunk.duration_ms >= cancel_after_ms:
-            conv.cancel(played_ms)
+            handle.cancel(played_ms)
     return chunks
 
 
@@ -129,7 +134,7 @@ def test_close_during_an_answer_and_options_for_the_next(engine, loop_thread) ->
         conv = engine.open_conversation("dave", GREEDY_OPTIONS)
         await talk(conv, speech(0.6, 5), realtime=False)
         got = []
-        async for chunk in conv.respond():
+        async for chunk in conv.respond("resp_dave").chunks():
             got.append(chunk)
             if len(got) == 2:
                 await conv.close()  # the client went away mid-answer

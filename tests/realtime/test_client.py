@@ -287,12 +287,12 @@ def test_a_session_not_resumed_in_time_ends(gateway):
         await proxy.close()
         return lost.value, gone
 
-    config = gateway.config
-    gateway.config = dataclasses.replace(config, limits=dataclasses.replace(config.limits, resume_grace_s=1.0))
+    deps = gateway.admission.deps  # what new sessions' runners read their limits from
+    gateway.admission.deps = dataclasses.replace(deps, limits=dataclasses.replace(deps.limits, resume_grace_s=1.0))
     try:
         lost, gone = run(main())
     finally:
-        gateway.config = config
+        gateway.admission.deps = deps
     assert lost.code == "connection_lost"
     assert gone  # the server freed it after the grace
 

@@ -284,12 +284,12 @@ def test_idle_sessions_are_closed_and_active_ones_kept(gateway):
         await busy._rx
         return quiet_error, quiet.ws.close_code, busy_kept, busy_error, time.monotonic() - t1
 
-    config = gateway.config
-    gateway.config = dataclasses.replace(config, limits=dataclasses.replace(config.limits, idle_timeout_s=idle_s))
+    deps = gateway.admission.deps  # what new sessions' runners read their limits from
+    gateway.admission.deps = dataclasses.replace(deps, limits=dataclasses.replace(deps.limits, idle_timeout_s=idle_s))
     try:
         quiet_error, quiet_code, busy_kept, busy_error, busy_waited = run(main())
     finally:
-        gateway.config = config
+        gateway.admission.deps = deps
     assert quiet_error["error"]["code"] == "idle_timeout" and quiet_code == 1000
     assert busy_kept
     assert busy_error["error"]["code"] == "idle_timeout" and 0.5 * idle_s < busy_waited < 4 * idle_s

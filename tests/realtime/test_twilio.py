@@ -33,6 +33,7 @@ from rt_helpers import running_gateway, silence
 
 from realtime.config import config_from_dict
 from realtime.halfband import DELAY_SAMPLES, Downsampler, Upsampler
+from realtime.messages import CloseReason, Closing
 from realtime.session import CancelResponse, Session, SessionLimits
 from realtime.transports.twilio import TicketBook
 from realtime.twilio_protocol import (
@@ -111,7 +112,7 @@ PHONE_VAD = VadParams()
 
 
 def started(vad: VadParams | None = PHONE_VAD, **kw) -> tuple[TwilioProtocol, Wire]:
-    proto, wire = TwilioProtocol(Session("sess_t", vad, SessionLimits(output_frame_ms=20, lead_ms=100.0)), **kw), Wire()
+    proto, wire = TwilioProtocol(Session("sess_t", vad, SessionLimits(output_frame_ms=20, lead_ms=100.0, acked_playback=True)), **kw), Wire()
     proto.receive(wire.connected(), 0.0)
     proto.receive(wire.start(), 0.0)
     assert proto.state is StreamState.STREAMING and proto.stream_sid == SID
@@ -119,6 +120,8 @@ def started(vad: VadParams | None = PHONE_VAD, **kw) -> tuple[TwilioProtocol, Wi
 
 
 def out(proto: TwilioProtocol) -> list[dict]:
+    """What the socket would carry: the session's events turned into messages first, as the runner does."""
+    proto.send_session_events(proto.session.events())
     return [json.loads(m) for m in proto.data_to_send()]
 
 
@@ -303,7 +306,7 @@ def test_odd_payload_sizes_are_counted_and_used(size):
 
 
 def test_media_before_start_is_skipped_then_start_works(caplog):
-    proto, wire = TwilioProtocol(Session("sess_t", VadParams())), Wire()
+    proto, wire = TwilioProtocol(Session("sess_t", VadParams(), SessionLimits(acked_playback=True))), Wire()
     with caplog.at_level(logging.WARNING, logger="duplex.twilio"):
         proto.receive(wire.media(b"\xff" * FRAME_BYTES), 0.0)
         proto.receive(wire.dtmf("5"), 0.0)
@@ -322,7 +325,7 @@ def test_media_before_start_is_skipped_then_start_works(caplog):
     ("not an object", 1002),
 ])
 def test_a_start_we_cannot_serve_closes_the_stream(start, code, caplog):
-    proto = TwilioProtocol(Session("sess_t", VadParams()))
+    proto = TwilioProtocol(Session("sess_t", VadParams(), SessionLimits(acked_playback=True)))
     with caplog.at_level(logging.WARNING, logger="duplex.twilio"):
         proto.receive(json.dumps({"event": "start", "sequenceNumber": "1", "start": start}), 0.0)
     assert proto.state is StreamState.STOPPED and proto.closing[0] == code
@@ -390,7 +393,8 @@ def test_tickets_are_one_time_bound_to_the_call_and_expire():
     ({"telephony": {"end_call_digit": "x"}}, "telephony.end_call_digit"),
     ({"telephony": {"end_call_digit": "12"}}, "telephony.end_call_digit"),
     ({"telephony": {"public_url": "voice.example.com"}}, "telephony.public_url"),
-    ({"telephony": {"vad_threshold": 1.5}}, "telephony.vad_threshold"),
+    ({"telephony": {"vad": {"threshold": 1.5}}}, "telephony.vad.threshold"),
+    ({"telephony": {"vad": {"thresh": 0.5}}}, "telephony.vad.thresh"),
     ({"telephony": {"ticket_ttl_s": 0}}, "telephony.ticket_ttl_s"),
     ({"telephony": {"twilio_auth_tokn": "x"}}, "telephony.twilio_auth_tokn"),
 ])
@@ -614,7 +618,7 @@ def test_a_call_turn_marks_echoed_and_stop_frees_the_conversation(gateway, speec
     assert acked == min(per[rid][-1], sent_ms)  # the cursor is the last echo (the padded tail is not response audio)
     assert runner.proto.faults["invalid_json"] == 1 and runner.proto.faults["unknown_event"] == 1 and runner.proto.faults["invalid_base64"] == 1
     assert 'duplex_telephony_faults_total{kind="invalid_json"}' in metrics
-    assert runner.closing == (1000, "stream stopped")
+    assert runner.closing == Closing(CloseReason.PROTOCOL_END, "stream stopped", 1000)
 
 
 @pytest.mark.vllm

@@ -168,7 +168,7 @@ def speech48(speech, text: str, tail_ms: int = 1500) -> np.ndarray:
 
 async def wait_sessions(gw, n: int, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
-    while (len(gw.sessions) != n or len(gw.webrtc_peers) != n) and time.monotonic() < deadline:
+    while (len(gw.sessions) != n or len(gw.transports["webrtc"].peers) != n) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
 
 
@@ -264,7 +264,7 @@ def test_webrtc_refusals_and_bad_offers(gateway, speech):
         for c in clients:
             await c.close()
         await wait_sessions(gateway, 0)
-        out["after"] = (len(gateway.sessions), len(gateway.webrtc_peers))
+        out["after"] = (len(gateway.sessions), len(gateway.transports["webrtc"].peers))
         return out
 
     out = run(main())
@@ -287,7 +287,7 @@ def test_webrtc_peer_connections_do_not_leak(gateway):
             assert (await c.connect())[0] == 201
             if i % 2 == 0:
                 await c.wait_for("session.created", timeout=30)
-            peak = max(peak, len(gateway.webrtc_peers))
+            peak = max(peak, len(gateway.transports["webrtc"].peers))
             await c.close()
             t0 = time.monotonic()
             await wait_sessions(gateway, 0, timeout=30)
@@ -295,7 +295,7 @@ def test_webrtc_peer_connections_do_not_leak(gateway):
         print("peer connection freed after hang-up in (s):", [round(s, 2) for s in freed_s])
         metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(
             f"http://127.0.0.1:{gateway.port}/metrics?token={TOKEN}").read().decode())
-        return peak, len(gateway.webrtc_peers), len(gateway.sessions), metrics
+        return peak, len(gateway.transports["webrtc"].peers), len(gateway.sessions), metrics
 
     peak, peers, sessions, metrics = run(main())
     assert peak >= 1

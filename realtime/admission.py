@@ -1,0 +1,126 @@
+"""The one way a session enters and leaves the server, whatever its transport.
+
+    runner = admission.open_session("websocket", link, make_protocol)   # AtCapacity: refused, counted
+    await admission.run(runner)                                         # to its end; never raises
+
+`open_session` makes the session (with the server's VAD and pacing settings, or a transport's own),
+its protocol, its engine conversation (the gateway's cap first, then the engine's measured capacity)
+and its runner, and registers it at once, so a session still connecting (a WebRTC data channel
+opening) counts against the cap. `run` runs it, then frees its conversation and counts why it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Callable
+
+from engine.service_api import AtCapacity, EngineLike
+from realtime.config import ServerConfig
+from realtime.link import Link
+from realtime.messages import CloseReason
+from realtime.metrics import GatewayMetrics
+from realtime.runner import RunnerDeps, SessionRunner, WireProtocol
+from realtime.session import Session, SessionLimits, new_id
+from realtime.vad import VadParams
+from realtime.vad_batch import VadBatcher
+
+log = logging.getLogger("duplex.gateway")
+
+SERVER_VAD = object()  # open_session's default turn detection: the server config's `vad` section
+
+
+class Admission:
+    def __init__(self, engine: EngineLike, config: ServerConfig, metrics: GatewayMetrics, vad: VadBatcher | None) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.sessions: dict[str, SessionRunner] = {}
+        self.closing = False  # the server is stopping: nobody is admitted, lost links are not kept
+        self.deps = RunnerDeps(config.limits, metrics, vad, lambda: self.closing)
+        self._background: set[asyncio.Task] = set()
+
+    def new_session(self, vad: VadParams | None | object = SERVER_VAD, output_frame_ms: int | None = None,
+                    acked_playback: bool = False) -> Session:
+        """A session with the server's pacing and turn detection, or a transport's own (`vad`, `output_frame_ms`,
+        `acked_playback`: see SessionLimits)."""
+        a = self.config.audio
+        limits = SessionLimits(output_frame_ms or a.output_frame_ms, a.lead_ms, self.config.limits.max_turn_ms,
+                               acked_playback=acked_playback)
+        turn_detection = self.config.vad.params() if vad is SERVER_VAD else vad
+        return Session(new_id("sess"), turn_detection, limits, vad_deferred=self.deps.vad is not None)
+
+    def open_session(self, transport: str, link: Link, proto: WireProtocol, resume_token: str | None = None,
+                     playback: Callable[[str], float] | None = None) -> SessionRunner:
+        """A registered runner for `proto`'s session (from `new_session`); raises AtCapacity (counted)
+        when the gateway's cap or the engine's capacity is reached."""
+        session = proto.session
+        conv = self._open_conversation(session.id, proto)
+        runner = SessionRunner(self.deps, link, proto, conv, transport, resume_token, playback)
+        self.sessions[runner.id] = runner
+        self.metrics.sessions_total.inc()
+        self.metrics.sessions_active.inc()
+        log.info("session %s (%s) start: %d open", runner.id, transport, len(self.sessions))
+        return runner
+
+    async def run(self, runner: SessionRunner) -> None:
+        """Run an admitted session to its end, free its conversation, count its end. Never raises."""
+        try:
+            await runner.run()
+        except Exception:
+            log.exception("session %s failed", runner.id)
+        finally:
+            await self.discard(runner)
+
+    def background(self, coro) -> asyncio.Task:
+        """A session's task that no socket handler waits for (WebRTC: the HTTP answer returns at once);
+        `stop()` waits for it too."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def abandon(self, runner: SessionRunner) -> None:
+        """Unregister a session that never ran (its transport failed to set up) and free its conversation."""
+        if self.sessions.pop(runner.id, None) is not None:
+            self.metrics.sessions_active.dec()
+            await runner.conv.close()
+
+    async def discard(self, runner: SessionRunner) -> None:
+        """Unregister an ended session, free its engine conversation, count why it ended."""
+        if self.sessions.pop(runner.id, None) is None:
+            return
+        self.metrics.sessions_active.dec()
+        await runner.conv.close()
+        m = self.metrics
+        m.sessions_ended.labels(runner.transport, runner.end_reason().label).inc()
+        m.client_errors.inc(runner.proto.client_errors)
+        for status in runner.session.response_statuses():
+            m.responses.labels(status.name.lower()).inc()
+        runner.log_end()
+
+    def find_resumable(self, token: str) -> SessionRunner | None:
+        return next((r for r in list(self.sessions.values())
+                     if r.resume_token is not None and hmac.compare_digest(r.resume_token, token)), None)
+
+    async def stop(self) -> None:
+        """Tell every session the server is going away and wait for them to close."""
+        self.closing = True
+        for runner in list(self.sessions.values()):
+            runner.shutdown(CloseReason.SERVER_SHUTDOWN, "server_shutting_down", "the server is shutting down")
+        tasks = [r.task for r in self.sessions.values() if r.task] + list(self._background)
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.config.limits.close_timeout_s)
+
+    def _open_conversation(self, session_id: str, proto: WireProtocol):
+        cap = self.config.limits.max_sessions
+        try:
+            if self.closing:
+                raise AtCapacity("the server is shutting down")
+            if cap is not None and len(self.sessions) >= cap:
+                raise AtCapacity(f"server at capacity: {len(self.sessions)} sessions open (limit {cap})")
+            return self.engine.open_conversation(session_id, proto.engine_options())
+        except AtCapacity:
+            self.metrics.sessions_refused.labels("capacity").inc()
+            raise
