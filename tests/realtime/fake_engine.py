@@ -1,0 +1,420 @@
+"""A deterministic stand-in for `engine.service.Engine`, for gateway tests without vLLM or a model.
+
+It implements the contract of engine/service_api.py (`EngineLike`, `Conversation`, `ResponseHandle`)
+and records every call the gateway makes, so a test can assert on them. It imports only numpy,
+asyncio and engine.service_api.
+
+The answer's audio is a known function of (conversation index, response index, sample position):
+`answer_pcm()`, a sawtooth ramp whose value at each of 65536 consecutive positions is distinct, so a
+test can tell exactly which samples of which answer reached the client.
+
+Pacing is a step clock: one asyncio task per response produces a chunk of `chunk_ms` every `step_s`
+seconds of wall time (0: one event-loop turn per chunk), `answer_ms` in all; `fail_after_chunks=N`
+makes the response fail (an `EngineError` from `chunks()`) after N chunks.
+
+Semantics, from the docstrings of service_api.py, plus the fake's own definite choices:
+- `respond()` returns at once (call it on a running event loop: it starts the response's task);
+  generation starts when the previous response has ended (a cancelled
+  one winds down at its next step, i.e. within `step_s`).
+- `respond()` while another response is generating (or waiting to) and not cancelled raises
+  `ResponseInProgress`. It ends the user turn if it is open; with no user turn since the last
+  answer it adds an empty one (as the engine does).
+- `cancel(played_ms)` is idempotent; before the start the response never starts; after the end it
+  cuts the history. The fake yields no chunk once `cancel()` has returned (chunks already queued
+  are dropped), and `chunks()` then ends without `is_last`.
+- The history: a user turn enters it at `end_user_turn()` with `samples // 320` frames; every
+  `respond()` reserves the next assistant turn, which appears once the response has ended and keeps
+  `min(generated frames, played_ms // 20)` frames (all generated frames if nothing cut it; 0 when
+  it never started). Cuts (cancel after the end, `truncate`) only shorten: `min` of the cuts.
+- `truncate()` of an unknown or older response is ignored (recorded with `applied=False`); of the
+  latest one still running, it caps what the history will keep without stopping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.service_api import (
+    FRAME_MS,
+    SAMPLE_RATE_HZ,
+    AtCapacity,
+    AudioChunk,
+    ConversationClosed,
+    ConversationOptions,
+    EngineError,
+    EngineHealth,
+    EngineLoad,
+    HistoryTurn,
+    ResponseInProgress,
+    Role,
+)
+
+SAMPLES_PER_MS = SAMPLE_RATE_HZ // 1000  # 16
+SAMPLES_PER_FRAME = int(SAMPLE_RATE_HZ * FRAME_MS / 1000)  # 320
+
+
+def answer_pcm(conv_index: int, response_index: int, start_sample: int, n: int) -> np.ndarray:
+    """Samples [start_sample, start_sample + n) of answer `response_index` of conversation `conv_index`.
+
+    A ramp of step 7 (odd, so the period is the full 65536 samples = 4.096 s), offset per
+    conversation and response: int16 in [-32768, 32767].
+    """
+    pos = np.arange(start_sample, start_sample + n, dtype=np.int64)
+    v = (pos * 7 + 4099 * response_index + 613 * conv_index) % 65536 - 32768
+    return v.astype(np.int16)
+
+
+def ms_to_samples(ms: float) -> int:
+    return int(round(ms * SAMPLES_PER_MS))
+
+
+class InjectedFailure(EngineError):
+    """The failure `fail_after_chunks` injects (code: engine_error)."""
+
+
+_END = object()  # queue sentinel: the response ended without a last chunk (cancel)
+
+
+@dataclass
+class TruncateCall:
+    response_id: str
+    played_ms: float
+    applied: bool  # False: an unknown or older response, ignored
+
+
+@dataclass
+class _Turn:
+    role: Role
+    frames: int
+    done: bool = True  # assistant turns are reserved at respond() and done when the response ends
+
+
+class FakeResponseHandle:
+    """One answer. Status: pending -> generating -> completed | cancelled | failed (or pending -> cancelled)."""
+
+    def __init__(self, conv: FakeConversation, response_id: str, index: int, previous: FakeResponseHandle | None) -> None:
+        self.id = response_id
+        self.index = index  # 0-based, per conversation
+        self.conv = conv
+        self.status = "pending"
+        self.started = False
+        self.cancelled = False
+        self.cancels: list[float] = []  # played_ms of each cancel() call on this handle
+        self.produced: list[AudioChunk] = []  # chunks generated, in order
+        self.delivered: list[AudioChunk] = []  # chunks `chunks()` yielded to the consumer
+        self.generated_samples = 0
+        self.error: EngineError | None = None
+        self.started_at: float | None = None  # time.monotonic() of the first step
+        # parameters, fixed at respond()
+        self.answer_ms = conv.answer_ms
+        self.chunk_ms = conv.chunk_ms
+        self.step_s = conv.step_s
+        self.fail_after_chunks = conv.fail_after_chunks
+        self.deadline_offset_s = conv.deadline_offset_s
+        self.text = conv.text
+        self._cap_frames: int | None = None  # the smallest cut so far (played_ms // 20)
+        self._turn = _Turn(Role.ASSISTANT, 0, done=False)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._ended = asyncio.Event()
+        self._iterated = False
+        self._task = asyncio.get_running_loop().create_task(self._produce(previous))
+
+    # ---- ResponseHandle ----
+    def chunks(self) -> AsyncIterator[AudioChunk]:
+        if self._iterated:
+            raise RuntimeError(f"chunks() of response {self.id} can be iterated once")
+        self._iterated = True
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[AudioChunk]:
+        while not self.cancelled:
+            item = await self._queue.get()
+            if item is _END or self.cancelled:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            self.delivered.append(item)
+            yield item
+            if item.is_last:
+                return
+
+    def cancel(self, played_ms: float) -> None:
+        self.cancels.append(float(played_ms))
+        self.conv.cancels.append((self.id, float(played_ms)))
+        self.conv.calls.append(("cancel", self.id, float(played_ms)))
+        if self.ended:
+            self.cancelled = True  # the consumer gets nothing more, even chunks still queued
+            if self.conv._latest is self:  # only the latest answer can still be cut
+                self._cut(played_ms)
+            return
+        self._cap(played_ms)
+        if not self.cancelled:
+            self.cancelled = True
+            self._queue.put_nowait(_END)  # wake the consumer: it ends without is_last
+
+    # ---- for tests ----
+    @property
+    def ended(self) -> bool:
+        return self._ended.is_set()
+
+    async def wait_ended(self) -> None:
+        await self._ended.wait()
+
+    @property
+    def generated_ms(self) -> float:
+        return self.generated_samples / SAMPLES_PER_MS
+
+    def expected_pcm(self, start_ms: float = 0.0, duration_ms: float | None = None) -> np.ndarray:
+        """The audio this answer has (or would have) at [start_ms, start_ms + duration_ms)."""
+        start = ms_to_samples(start_ms)
+        end = ms_to_samples(self.answer_ms) if duration_ms is None else start + ms_to_samples(duration_ms)
+        return answer_pcm(self.conv.index, self.index, start, end - start)
+
+    # ---- internals ----
+    def _cap(self, played_ms: float) -> None:
+        frames = int(max(0.0, played_ms) // FRAME_MS) if played_ms != float("inf") else None
+        if frames is not None:
+            self._cap_frames = frames if self._cap_frames is None else min(self._cap_frames, frames)
+
+    def _cut(self, played_ms: float) -> None:
+        self._cap(played_ms)
+        if self._cap_frames is not None:
+            self._turn.frames = min(self._turn.frames, self._cap_frames)
+
+    async def _produce(self, previous: FakeResponseHandle | None) -> None:
+        try:
+            if previous is not None:
+                await previous._ended.wait()
+            if self.cancelled or self.conv.closed:
+                self.status = "cancelled"
+                return
+            self.started, self.status = True, "generating"
+            self.started_at = time.monotonic()
+            total = ms_to_samples(self.answer_ms)
+            per_chunk = max(1, ms_to_samples(self.chunk_ms))
+            words = self.text.split()
+            k = 0
+            while self.generated_samples < total:
+                await asyncio.sleep(self.step_s)  # one engine step (0: one loop turn)
+                if self.cancelled:
+                    break
+                if self.fail_after_chunks is not None and k >= self.fail_after_chunks:
+                    raise InjectedFailure(f"injected failure after {k} chunks of response {self.id}")
+                start = self.generated_samples
+                n = min(per_chunk, total - start)
+                is_last = start + n >= total
+                text = " ".join(words[k:] if is_last else words[k : k + 1])
+                if text and k > 0:
+                    text = " " + text
+                chunk = AudioChunk(
+                    response_id=self.id,
+                    pcm=answer_pcm(self.conv.index, self.index, start, n),
+                    start_ms=start / SAMPLES_PER_MS,
+                    duration_ms=n / SAMPLES_PER_MS,
+                    deadline=self.started_at + start / SAMPLE_RATE_HZ + self.deadline_offset_s,
+                    text_delta=text,
+                    is_last=is_last,
+                )
+                self.generated_samples += n
+                self.produced.append(chunk)
+                self._queue.put_nowait(chunk)
+                k += 1
+            self.status = "cancelled" if self.cancelled else "completed"
+        except EngineError as e:
+            self.status, self.error = "failed", e
+            self._queue.put_nowait(e)
+        finally:
+            frames = self.generated_samples // SAMPLES_PER_FRAME
+            if self._cap_frames is not None:
+                frames = min(frames, self._cap_frames)
+            self._turn.frames, self._turn.done = frames, True
+            self._ended.set()
+            self._queue.put_nowait(_END)
+
+
+class FakeConversation:
+    def __init__(self, engine: FakeEngine, session_id: str, options: ConversationOptions, index: int) -> None:
+        self.id = session_id
+        self.index = index  # order of opening in its engine: part of the answers' audio
+        self.engine = engine
+        self.options = options
+        # pacing and failure, copied from the engine; set them on the conversation before respond()
+        self.answer_ms = engine.answer_ms
+        self.chunk_ms = engine.chunk_ms
+        self.step_s = engine.step_s
+        self.fail_after_chunks = engine.fail_after_chunks
+        self.deadline_offset_s = engine.deadline_offset_s
+        self.text = engine.text
+        # records
+        self.calls: list[tuple] = []  # every call, in order: ("push", n) ("end_turn",) ("respond", id) ...
+        self.user_turns: list[list[np.ndarray]] = []  # audio pushed, per user turn
+        self.end_turn_calls = 0
+        self.respond_ids: list[str] = []
+        self.handles: list[FakeResponseHandle] = []
+        self.cancels: list[tuple[str, float]] = []
+        self.truncates: list[TruncateCall] = []
+        self.options_updates: list[ConversationOptions] = []
+        self.closed = False
+        self.close_calls = 0
+        self._turns: list[_Turn] = []
+        self._open_user: list[np.ndarray] | None = None  # the user turn being pushed
+        self._user_since_answer = False  # a user turn ended since the last respond()
+        self._latest: FakeResponseHandle | None = None
+
+    # ---- Conversation ----
+    def update_options(self, options: ConversationOptions) -> None:
+        self._check_open()
+        self.calls.append(("update_options",))
+        self.options_updates.append(options)
+        self.options = options
+
+    def push_user_audio(self, pcm_16k: np.ndarray) -> None:
+        self._check_open()
+        pcm = np.asarray(pcm_16k)
+        if pcm.ndim != 1 or pcm.dtype != np.int16:
+            raise ValueError(f"user audio must be mono int16, got {pcm.dtype} {pcm.shape}")
+        self.calls.append(("push", pcm.size))
+        if self._open_user is None:
+            self._open_user = []
+            self.user_turns.append(self._open_user)
+        self._open_user.append(pcm.copy())
+
+    def end_user_turn(self) -> None:
+        self._check_open()
+        self.calls.append(("end_turn",))
+        self.end_turn_calls += 1
+        self._end_turn()
+
+    def _end_turn(self) -> None:
+        if self._open_user is None:
+            if self._user_since_answer:
+                return  # already ended: nothing new
+            self._open_user = []
+            self.user_turns.append(self._open_user)
+        samples = sum(p.size for p in self._open_user)
+        self._turns.append(_Turn(Role.USER, samples // SAMPLES_PER_FRAME))
+        self._open_user = None
+        self._user_since_answer = True
+
+    def respond(self, response_id: str) -> FakeResponseHandle:
+        self._check_open()
+        prev = self._latest
+        if prev is not None and not prev.ended and not prev.cancelled:
+            raise ResponseInProgress(f"conversation {self.id} is already responding ({prev.id})")
+        self.calls.append(("respond", response_id))
+        self.respond_ids.append(response_id)
+        if self._open_user is not None or not self._user_since_answer:
+            self._end_turn()
+        self._user_since_answer = False
+        h = FakeResponseHandle(self, response_id, len(self.handles), prev)
+        self._turns.append(h._turn)
+        self.handles.append(h)
+        self._latest = h
+        return h
+
+    def truncate(self, response_id: str, played_ms: float) -> None:
+        self.calls.append(("truncate", response_id, float(played_ms)))
+        h = self._latest
+        applied = h is not None and h.id == response_id and not self.closed
+        self.truncates.append(TruncateCall(response_id, float(played_ms), applied))
+        if applied:
+            if h.ended:
+                h._cut(played_ms)
+            else:
+                h._cap(played_ms)
+
+    async def close(self) -> None:
+        self.close_calls += 1
+        self.calls.append(("close",))
+        if self.closed:
+            return
+        self.closed = True
+        h = self._latest
+        if h is not None and not h.ended:
+            if not h.cancelled:
+                h.cancelled = True  # keeps what was generated (the engine's cancel(inf))
+                h._queue.put_nowait(_END)
+            await h.wait_ended()
+        self.engine._release(self)
+
+    @property
+    def history(self) -> list[HistoryTurn]:
+        return [HistoryTurn(role=t.role, audio_frames=t.frames) for t in self._turns if t.done]
+
+    # ---- for tests ----
+    @property
+    def responding(self) -> bool:
+        h = self._latest
+        return h is not None and h.started and not h.ended
+
+    def user_audio(self, turn: int = -1) -> np.ndarray:
+        parts = self.user_turns[turn]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int16)
+
+    @property
+    def user_samples(self) -> list[int]:
+        return [sum(p.size for p in t) for t in self.user_turns]
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ConversationClosed(f"conversation {self.id} is closed")
+
+
+class FakeEngine:
+    """`EngineLike` with a fixed `capacity` of open conversations; see the module docstring."""
+
+    def __init__(self, capacity: int = 4, *, answer_ms: float = 1000.0, chunk_ms: float = 80.0, step_s: float = 0.0,
+                 fail_after_chunks: int | None = None, deadline_offset_s: float = 0.5, text: str = "") -> None:
+        self.capacity = capacity
+        self.answer_ms = answer_ms
+        self.chunk_ms = chunk_ms
+        self.step_s = step_s
+        self.fail_after_chunks = fail_after_chunks
+        self.deadline_offset_s = deadline_offset_s  # chunk deadline = first step + start_ms + this
+        self.text = text  # the answers' transcript: one word per chunk, the rest on the last
+        self.ready = True
+        self.conversations: dict[str, FakeConversation] = {}  # open
+        self.opened: list[FakeConversation] = []  # every conversation ever opened, in order
+        self.refused: list[str] = []  # session ids refused with AtCapacity
+        self.shutdown_calls = 0
+
+    def open_conversation(self, session_id: str, options: ConversationOptions | None = None) -> FakeConversation:
+        if not self.ready:
+            self.refused.append(session_id)
+            raise AtCapacity("engine is not ready")
+        if session_id in self.conversations:
+            raise ValueError(f"conversation {session_id!r} is already open")
+        if len(self.conversations) >= self.capacity:
+            self.refused.append(session_id)
+            raise AtCapacity(f"server at capacity: {len(self.conversations)} conversations open, capacity {self.capacity}")
+        conv = FakeConversation(self, session_id, options or ConversationOptions(), len(self.opened))
+        self.conversations[session_id] = conv
+        self.opened.append(conv)
+        return conv
+
+    def _release(self, conv: FakeConversation) -> None:
+        if self.conversations.get(conv.id) is conv:
+            del self.conversations[conv.id]
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(ready=self.ready, detail="ready" if self.ready else "stopped")
+
+    def load(self) -> EngineLoad:
+        responding = sum(c.responding for c in self.conversations.values())
+        return EngineLoad(conversations=len(self.conversations), responding=responding, capacity=self.capacity,
+                          step_ms=1000.0 * self.step_s, batch_size=float(responding))
+
+    async def shutdown(self) -> None:
+        self.shutdown_calls += 1
+        for conv in list(self.conversations.values()):
+            await conv.close()
+        self.ready = False
+
+    def conversation(self, session_id: str) -> FakeConversation:
+        """The last conversation opened under this id (open or closed)."""
+        return next(c for c in reversed(self.opened) if c.id == session_id)
