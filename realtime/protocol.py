@@ -31,6 +31,10 @@ from realtime.session import (
     InputCleared, InputCommitted, ItemTruncated, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone,
     ResponseStatus, ResponseText, Session, SessionError, SpeechStarted, SpeechStopped,
 )
+from realtime.session_input import (
+    AudioIn, CancelRequested, ClearInput, ClearOutput, CommitInput, CreateResponse, Played,
+    SessionInput, SetTurnDetection, TruncateItem,
+)
 from realtime.vad import VadParams
 
 BINARY_OPUS = 0x01  # first byte of a binary frame carrying one Opus packet
@@ -101,13 +105,16 @@ class RealtimeProtocol:
                  opus: OpusOutput | None = None, resume: ResumeOffer | None = None) -> None:
         self.opus = opus or OpusOutput()
         self.resume = resume
-        self.session = session
+        self.session = session  # the runner's: this machine reads only its id, pacing lead and first turn detection
+        self.session_id, self.lead_ms, self.frame_ms = session.id, session.limits.lead_ms, session.limits.output_frame_ms
+        self.turn_detection: VadParams | None = session.vad_params  # as the client last set it
         self.limits = limits or ProtocolLimits()
         self.settings = settings or SessionSettings()
         self.settings_changed = False  # set by session.update when the engine's options changed
         self.client_errors = 0  # error events answering bad client input (the gateway counts them)
         self.closing: tuple[int, str] | None = None  # this protocol never ends a session by itself
         self._out: list[str | bytes] = []
+        self._inputs: list[SessionInput] = []
         self._event_ids = itertools.count(1)
         self._decoder = InputDecoder(self.settings.input_format)
         self._opus_decoder: InputDecoder | None = None
@@ -118,6 +125,14 @@ class RealtimeProtocol:
     def data_to_send(self) -> list[str | bytes]:
         out, self._out = self._out, []
         return out
+
+    def inputs(self) -> list[SessionInput]:
+        """What the client asked of the session since the last call, in order (the runner applies them)."""
+        out, self._inputs = self._inputs, []
+        return out
+
+    def input_refused(self, error: SessionError, event_id: str | None) -> None:
+        self._error(error, event_id)
 
     def _emit(self, event_type: str, **fields) -> None:
         self._out.append(json.dumps({"type": event_type, "event_id": f"event_{next(self._event_ids)}", **fields}, separators=(",", ":")))
@@ -163,10 +178,7 @@ class RealtimeProtocol:
 
     def receive_audio(self, pcm, now: float) -> None:
         """Audio the transport decoded itself (WebRTC's track), int16 at 16 kHz."""
-        try:
-            self.session.receive_audio(pcm, now)
-        except SessionError as e:
-            self._error(e, None)
+        self._inputs.append(AudioIn(pcm))
 
     def receive_text(self, text: str, now: float) -> None:
         event_id = None
@@ -198,8 +210,8 @@ class RealtimeProtocol:
                 pcm = self._opus_decoder.decode(bytes(data[1:]))
             except AudioFormatError as e:
                 raise ClientError("invalid_audio", str(e)) from None
-            self.session.receive_audio(pcm, now)
-        except (ClientError, SessionError) as e:
+            self._inputs.append(AudioIn(pcm))
+        except ClientError as e:
             self._error(e, None)
 
     def _on_append(self, ev: dict, now: float) -> None:
@@ -214,24 +226,24 @@ class RealtimeProtocol:
             pcm = self._decoder.decode(payload)
         except AudioFormatError as e:
             raise ClientError("invalid_audio", f"{e} (input format {self.settings.input_format.value})", "audio") from None
-        self.session.receive_audio(pcm, now)
+        self._inputs.append(AudioIn(pcm, event_id=_event_id(ev)))
 
     def _on_commit(self, ev: dict, now: float) -> None:
-        if not self.session.vad_enabled:  # the client ends the turn: its last milliseconds are in it
+        if self.turn_detection is None:  # the client ends the turn: its last milliseconds are in it
             tail = self._decoder.flush()
             if tail.size:
-                self.session.receive_audio(tail, now, client_frame=False)
-        self.session.receive_commit(now)
+                self._inputs.append(AudioIn(tail, client_frame=False, event_id=_event_id(ev)))
+        self._inputs.append(CommitInput(_event_id(ev)))
 
     def _on_clear(self, ev: dict, now: float) -> None:
-        self.session.receive_clear()
+        self._inputs.append(ClearInput(_event_id(ev)))
 
     def _on_response_create(self, ev: dict, now: float) -> None:
         _get(ev, "response", dict)
-        self.session.receive_response_create(now)
+        self._inputs.append(CreateResponse(_event_id(ev)))
 
     def _on_response_cancel(self, ev: dict, now: float) -> None:
-        self.session.receive_response_cancel(now, _get(ev, "response_id", str))
+        self._inputs.append(CancelRequested(_get(ev, "response_id", str), _event_id(ev)))
 
     def _on_truncate(self, ev: dict, now: float) -> None:
         item_id = _get(ev, "item_id", str, required=True)
@@ -239,15 +251,15 @@ class RealtimeProtocol:
         if content_index not in (None, 0):
             raise ClientError("invalid_value", "content_index must be 0", "content_index")
         audio_end_ms = _get(ev, "audio_end_ms", (int, float), required=True)
-        self.session.receive_truncate(item_id, float(audio_end_ms), now)
+        self._inputs.append(TruncateItem(item_id, float(audio_end_ms), _event_id(ev)))
 
     def _on_output_clear(self, ev: dict, now: float) -> None:
-        self.session.receive_output_clear(now)
+        self._inputs.append(ClearOutput(_event_id(ev)))
 
     def _on_played(self, ev: dict, now: float) -> None:
         played_ms = _get(ev, "played_ms", (int, float), required=True)
         underruns = _get(ev, "underruns", int) or 0
-        self.session.receive_played(float(played_ms), underruns, _get(ev, "response_id", str))
+        self._inputs.append(Played(float(played_ms), underruns, _get(ev, "response_id", str), _event_id(ev)))
 
     def _on_session_update(self, ev: dict, now: float) -> None:
         cfg = _get(ev, "session", dict, required=True)
@@ -286,7 +298,8 @@ class RealtimeProtocol:
         _check_sampling(s)
         # All validated: apply.
         if vad_change is not _UNSET:
-            self.session.set_turn_detection(vad_change)
+            self.turn_detection = vad_change
+            self._inputs.append(SetTurnDetection(vad_change, _event_id(ev)))
         if s.input_format != self.settings.input_format:
             self._decoder = InputDecoder(s.input_format)
         engine_keys = ("instructions", "voice", "temperature", "top_k", "top_p", "seed", "cfg_scale", "max_response_ms")
@@ -306,7 +319,7 @@ class RealtimeProtocol:
         kind = _get(td, "type", str, prefix=p) or "server_vad"
         if kind != "server_vad":
             raise ClientError("invalid_value", f"turn_detection type {kind!r} is not supported (server_vad or null)", p + "type")
-        cur = self.session.vad_params or VadParams()
+        cur = self.turn_detection or VadParams()
         kw = {}
         for key, types in (("threshold", (int, float)), ("prefix_padding_ms", int), ("silence_duration_ms", int),
                            ("create_response", bool), ("interrupt_response", bool), ("min_speech_ms", int)):
@@ -325,7 +338,7 @@ class RealtimeProtocol:
             self._SENDERS[type(ev)](self, ev)
 
     def _make_encoder(self) -> OutputEncoder:
-        return OutputEncoder(self.settings.output_format, frame_ms=self.session.limits.output_frame_ms,
+        return OutputEncoder(self.settings.output_format, frame_ms=self.frame_ms,
                              opus_bitrate=self.opus.bitrate, opus_complexity=self.opus.complexity)
 
     def _send_speech_started(self, ev: SpeechStarted) -> None:
@@ -418,20 +431,20 @@ class RealtimeProtocol:
 
     # ---- wire objects ----
     def _session_object(self) -> dict:
-        s, vad = self.settings, self.session.vad_params
+        s, vad = self.settings, self.turn_detection
         td = None if vad is None else {
             "type": "server_vad", "threshold": vad.threshold, "prefix_padding_ms": vad.prefix_padding_ms,
             "silence_duration_ms": vad.silence_duration_ms, "create_response": vad.create_response,
             "interrupt_response": vad.interrupt_response, "min_speech_ms": vad.min_speech_ms,
         }
         return {
-            "type": "realtime", "object": "realtime.session", "id": self.session.id, "model": s.model,
+            "type": "realtime", "object": "realtime.session", "id": self.session_id, "model": s.model,
             "output_modalities": ["audio"], "instructions": s.instructions,
             "audio": {"input": {"format": s.input_format.to_wire(), "turn_detection": td},
                       "output": {"format": s.output_format.to_wire(), "voice": s.voice}},
             "duplex": {"top_k": s.top_k, "top_p": s.top_p, "seed": s.seed, "cfg_scale": s.cfg_scale,
                        "temperature": s.temperature, "max_response_ms": s.max_response_ms,
-                       "lead_ms": self.session.limits.lead_ms, "binary_opus": True, "voices": ["default", *s.voice_pcm]},
+                       "lead_ms": self.lead_ms, "binary_opus": True, "voices": ["default", *s.voice_pcm]},
         }
 
     @staticmethod
@@ -441,9 +454,13 @@ class RealtimeProtocol:
 
     def _response_object(self, response_id: str, status: str, details: dict | None, output: list) -> dict:
         return {"id": response_id, "object": "realtime.response", "status": status, "status_details": details,
-                "output": output, "output_modalities": ["audio"], "conversation_id": self.session.id,
+                "output": output, "output_modalities": ["audio"], "conversation_id": self.session_id,
                 "audio": {"output": {"format": self.settings.output_format.to_wire(), "voice": self.settings.voice}},
                 "usage": None, "metadata": None}
+
+
+def _event_id(ev: dict) -> str | None:
+    return ev.get("event_id") if isinstance(ev.get("event_id"), str) else None
 
 
 def _check_sampling(s: SessionSettings) -> None:

@@ -44,7 +44,10 @@ from realtime.messages import (
 )
 from realtime.metrics import GatewayMetrics
 from realtime.resume import ReplayBuffer, ResumeRefused
-from realtime.session import CancelResponse, EndTurn, PushAudio, Session, SessionStats, StartResponse, TruncateResponse
+from realtime.session import (
+    CancelResponse, EndTurn, PushAudio, Session, SessionError, SessionStats, StartResponse, TruncateResponse,
+)
+from realtime.session_input import SessionInput, apply_inputs
 from realtime.vad_batch import VadBatcher
 
 log = logging.getLogger("duplex.gateway")
@@ -73,6 +76,12 @@ class WireProtocol(Protocol):
 
     def take_engine_options(self) -> ConversationOptions | None:
         """New engine options when the client changed them since the last call, else None."""
+
+    def inputs(self) -> list[SessionInput]:
+        """What the client asked of the session since the last call (the runner applies them, in order)."""
+
+    def input_refused(self, error: SessionError, event_id: str | None) -> None:
+        """The session refused an input: tell the client (an error naming its event), or count it."""
 
 
 @dataclass(frozen=True)
@@ -414,11 +423,13 @@ class SessionRunner:
             case ClientMessage(data):
                 self._last_client = now
                 self.proto.receive(data, now)
+                apply_inputs(self.proto, self.session, now)
                 if (options := self.proto.take_engine_options()) is not None:
                     self.conv.update_options(options)  # applies from the conversation's next response on
             case TransportAudio(pcm):
                 self._last_client = now
                 self.proto.receive_audio(pcm, now)
+                apply_inputs(self.proto, self.session, now)
             case EngineChunk(rid, chunk):
                 self.session.receive_engine_chunk(rid, chunk.pcm, chunk.text_delta, chunk.is_last, chunk.deadline, now)
             case EngineFailed(rid, error):

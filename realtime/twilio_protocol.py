@@ -45,6 +45,7 @@ from xml.sax.saxutils import quoteattr
 from engine.service_api import ConversationOptions
 from realtime.audio import ulaw_decode, ulaw_encode
 from realtime.halfband import Downsampler, Upsampler
+from realtime.session_input import AudioIn, Played, SessionInput
 from realtime.session import (
     OutputCleared,
     ResponseAudio,
@@ -116,7 +117,7 @@ class StreamStats:
 class TwilioProtocol:
     def __init__(self, session: Session, limits: TwilioLimits | None = None, end_call_digit: str | None = "#",
                  on_fault: Callable[[str], None] | None = None, options: ConversationOptions | None = None) -> None:
-        self.session = session
+        self.session = session  # the runner's: this machine reads only its id
         self.options = options or ConversationOptions()  # the server's session defaults: a call cannot change them
         self.client_errors = 0  # Twilio gets no error events: its faults are counted by kind (`faults`)
         self.limits = limits or TwilioLimits()
@@ -128,6 +129,7 @@ class TwilioProtocol:
         self.faults: Counter[str] = Counter()
         self._on_fault = on_fault
         self._out: list[str] = []
+        self._inputs: list[SessionInput] = []
         self._upsampler = Upsampler()  # one stream per direction: no clicks at 20 ms frame edges
         self._encoder = _FrameEncoder()
         self._playback = _Playback()
@@ -156,7 +158,15 @@ class TwilioProtocol:
         log.warning("twilio stream %s: %s: %s", self.stream_sid or "-", code, message)
 
     def receive_audio(self, pcm, now: float) -> None:
-        self.session.receive_audio(pcm, now)
+        self._inputs.append(AudioIn(pcm))
+
+    def inputs(self) -> list[SessionInput]:
+        """What the call asked of the session since the last call, in order (the runner applies them)."""
+        out, self._inputs = self._inputs, []
+        return out
+
+    def input_refused(self, error: SessionError, event_id: str | None) -> None:
+        self._fault("session_error", f"{error.code}: {error.message}")  # not raised in VAD mode; counted if it were
 
     def receive(self, message: str | bytes, now: float) -> None:
         if self.state is StreamState.STOPPED:
@@ -178,10 +188,7 @@ class TwilioProtocol:
         if self.start is not None and msg.get("streamSid") not in (None, self.start.stream_sid):
             return self._fault("wrong_stream_sid", f"{str(msg.get('streamSid'))[:40]!r} on a {event} message", msg)
         self._check_sequence(msg)
-        try:
-            handler(self, msg, now)
-        except SessionError as e:  # not raised in VAD mode; kept so client input can never end the task
-            self._fault("session_error", f"{e.code}: {e.message}", msg)
+        handler(self, msg, now)
 
     # ---- Twilio -> us ----
     def _on_connected(self, msg: dict, now: float) -> None:
@@ -231,7 +238,7 @@ class TwilioProtocol:
         if len(audio) != FRAME_BYTES:  # mu-law has no framing: any byte count is that many samples
             self._fault("odd_payload_size", f"chunk {media.get('chunk')}: {len(audio)} bytes, not {FRAME_BYTES} (used)")
         self.stats.media_in += 1
-        self.session.receive_audio(self._upsampler.process(ulaw_decode(audio)), now)
+        self._inputs.append(AudioIn(self._upsampler.process(ulaw_decode(audio))))
 
     def _on_dtmf(self, msg: dict, now: float) -> None:
         if self.state is not StreamState.STREAMING:
@@ -259,7 +266,7 @@ class TwilioProtocol:
             return self._fault("bad_mark", f"mark {name!r} out of order (last echoed {pb.echoed_ms} ms, sent {pb.sent_ms} ms)")
         pb.echoed_ms = ms
         self.stats.marks_echoed += 1
-        self.session.receive_played(float(ms), response_id=response_id)
+        self._inputs.append(Played(float(ms), response_id=response_id))
 
     def _on_stop(self, msg: dict, now: float) -> None:
         log.info("twilio stream %s: stop", self.stream_sid or msg.get("streamSid"))

@@ -12,6 +12,7 @@ from rt_helpers import silence
 from realtime.audio import OutputEncoder, WireFormat
 from realtime.protocol import RealtimeProtocol
 from realtime.session import CancelResponse, EndTurn, PushAudio, Session, SessionLimits, StartResponse
+from realtime.session_input import apply_inputs
 from realtime.vad import VadParams
 
 
@@ -28,6 +29,7 @@ class Client:
         self._drain()
 
     def _drain(self) -> None:
+        apply_inputs(self.proto, self.session, self.now)  # as the runner does
         self.proto.send_session_events(self.session.events())
         for m in self.proto.data_to_send():
             self.sent.append(json.loads(m) if isinstance(m, str) else m)
@@ -220,6 +222,7 @@ def test_corrupt_opus_binary_frame_is_an_error_and_good_ones_are_audio():
     enc = OutputEncoder(WireFormat.OPUS)
     for pkt in enc.encode(np.zeros(1600, np.int16)):
         c.proto.receive_binary(b"\x01" + pkt, c.now)
+        c._drain()
     assert c.session.input_ms == pytest.approx(100)
 
 

@@ -47,6 +47,7 @@ from realtime.twilio_protocol import (
     stream_url,
     twilio_signature,
 )
+from realtime.session_input import apply_inputs
 from realtime.vad import VadParams
 
 with warnings.catch_warnings():
@@ -113,14 +114,22 @@ PHONE_VAD = VadParams()
 
 def started(vad: VadParams | None = PHONE_VAD, **kw) -> tuple[TwilioProtocol, Wire]:
     proto, wire = TwilioProtocol(Session("sess_t", vad, SessionLimits(output_frame_ms=20, lead_ms=100.0, acked_playback=True)), **kw), Wire()
-    proto.receive(wire.connected(), 0.0)
-    proto.receive(wire.start(), 0.0)
+    feed(proto, wire.connected(), 0.0)
+    feed(proto, wire.start(), 0.0)
     assert proto.state is StreamState.STREAMING and proto.stream_sid == SID
     return proto, wire
 
 
-def out(proto: TwilioProtocol) -> list[dict]:
-    """What the socket would carry: the session's events turned into messages first, as the runner does."""
+def feed(proto: TwilioProtocol, message: str | bytes, now: float) -> None:
+    """One message from Twilio, its inputs applied to the session, as the runner does."""
+    proto.receive(message, now)
+    apply_inputs(proto, proto.session, now)
+
+
+def out(proto: TwilioProtocol, now: float = 0.0) -> list[dict]:
+    """What the socket would carry: the call's inputs applied and the session's events turned into
+    messages first, as the runner does."""
+    apply_inputs(proto, proto.session, now)
     proto.send_session_events(proto.session.events())
     return [json.loads(m) for m in proto.data_to_send()]
 
@@ -167,7 +176,7 @@ def test_inbound_audio_resampled_as_one_stream():
     pcm8 = (8000 * np.sin(2 * np.pi * 440 * t) * np.sin(2 * np.pi * 3 * t)).astype(np.int16)
     data = ulaw(pcm8)
     for k in range(0, len(data), FRAME_BYTES):
-        proto.receive(wire.media(data[k : k + FRAME_BYTES], chunk=k // FRAME_BYTES + 1), 0.0)
+        feed(proto, wire.media(data[k : k + FRAME_BYTES], chunk=k // FRAME_BYTES + 1), 0.0)
     proto.session.receive_commit(1.0)
     got = next(c.pcm for c in proto.session.commands() if hasattr(c, "pcm"))
     assert got.size == 16000 and np.array_equal(got, Upsampler().process(unulaw(data)))
@@ -218,17 +227,17 @@ def test_echoed_marks_are_the_played_cursor_and_barge_in_truncates_at_the_last_o
     names = [m["mark"]["name"] for m in msgs if m["event"] == "mark"]
     assert len(names) >= 20
     for name in names[:10]:  # Twilio played the first 10 chunks
-        proto.receive(wire.mark(name), now)
+        feed(proto, wire.mark(name), now)
     last_echoed = parse_mark(names[9])[1]
     assert s.played_ms(now) == last_echoed  # the cursor is the echo, not the pacer's estimate
-    proto.receive(wire.mark(names[3]), now)  # an echo out of order never moves the cursor back
+    feed(proto, wire.mark(names[3]), now)  # an echo out of order never moves the cursor back
     assert s.played_ms(now) == last_echoed and proto.faults["bad_mark"] == 1
     # the caller talks over the answer: real speech, 20 ms mu-law frames
     talk = ulaw(np.concatenate([speech("stop, wait a moment", 8000), silence(1000, 8000)]))
     cancel = None
     for k in range(0, len(talk), FRAME_BYTES):
         now += 0.02
-        proto.receive(wire.media(talk[k : k + FRAME_BYTES], chunk=k // FRAME_BYTES + 1), now)
+        feed(proto, wire.media(talk[k : k + FRAME_BYTES], chunk=k // FRAME_BYTES + 1), now)
         msgs += out(proto)
         cancel = cancel or next((c for c in s.commands() if isinstance(c, CancelResponse)), None)
         if cancel:
@@ -238,7 +247,7 @@ def test_echoed_marks_are_the_played_cursor_and_barge_in_truncates_at_the_last_o
     assert msgs[-1] == {"event": "clear", "streamSid": SID}
     # after clear Twilio returns the dropped marks at once, and the engine may still deliver audio: both stale
     for name in names[10:]:
-        proto.receive(wire.mark(name), now)
+        feed(proto, wire.mark(name), now)
     s.receive_engine_chunk(rid, np.ones(3200, np.int16), "", True, None, now)
     s.poll_audio(now + 1)
     proto.send_session_events(s.events())
@@ -251,7 +260,7 @@ def test_echoed_marks_are_the_played_cursor_and_barge_in_truncates_at_the_last_o
         s.poll_audio(now + 0.02 * k)
         proto.send_session_events(s.events())
     assert parse_mark(out(proto)[-1]["mark"]["name"])[1] > parse_mark(names[12])[1]
-    proto.receive(wire.mark(names[12]), now + 1)
+    feed(proto, wire.mark(names[12]), now + 1)
     assert s.played_ms(now + 10) == 0.0 and proto.stats.marks_echoed == 10
 
 
@@ -289,17 +298,17 @@ def test_barge_in_before_any_echo_keeps_nothing():
 def test_bad_input_is_skipped_with_the_stream_sid_logged(message, fault, caplog):
     proto, wire = started()
     with caplog.at_level(logging.WARNING, logger="duplex.twilio"):
-        proto.receive(message, 1.0)
+        feed(proto, message, 1.0)
     assert proto.faults[fault] == 1 and proto.state is StreamState.STREAMING and proto.closing is None
     assert any(SID in r.getMessage() and fault in r.getMessage() for r in caplog.records)
-    proto.receive(wire.media(b"\xff" * FRAME_BYTES), 1.1)  # the stream goes on
+    feed(proto, wire.media(b"\xff" * FRAME_BYTES), 1.1)  # the stream goes on
     assert proto.stats.media_in == 1
 
 
 @pytest.mark.parametrize("size", [1, 7, 159, 161, 320])
 def test_odd_payload_sizes_are_counted_and_used(size):
     proto, wire = started(vad=None)
-    proto.receive(wire.media(b"\x7f" * size), 1.0)
+    feed(proto, wire.media(b"\x7f" * size), 1.0)
     assert proto.faults["odd_payload_size"] == 1 and proto.stats.media_in == 1
     proto.session.receive_commit(1.1)
     assert sum(c.pcm.size for c in proto.session.commands() if hasattr(c, "pcm")) > 0
@@ -308,12 +317,12 @@ def test_odd_payload_sizes_are_counted_and_used(size):
 def test_media_before_start_is_skipped_then_start_works(caplog):
     proto, wire = TwilioProtocol(Session("sess_t", VadParams(), SessionLimits(acked_playback=True))), Wire()
     with caplog.at_level(logging.WARNING, logger="duplex.twilio"):
-        proto.receive(wire.media(b"\xff" * FRAME_BYTES), 0.0)
-        proto.receive(wire.dtmf("5"), 0.0)
+        feed(proto, wire.media(b"\xff" * FRAME_BYTES), 0.0)
+        feed(proto, wire.dtmf("5"), 0.0)
     assert proto.faults["media_before_start"] == 2 and proto.state is StreamState.AWAITING_START and proto.stats.media_in == 0
     assert SID in caplog.records[0].getMessage()
-    proto.receive(wire.start(), 0.1)
-    proto.receive(wire.media(b"\xff" * FRAME_BYTES), 0.2)
+    feed(proto, wire.start(), 0.1)
+    feed(proto, wire.media(b"\xff" * FRAME_BYTES), 0.2)
     assert proto.state is StreamState.STREAMING and proto.stats.media_in == 1
 
 
@@ -327,31 +336,31 @@ def test_media_before_start_is_skipped_then_start_works(caplog):
 def test_a_start_we_cannot_serve_closes_the_stream(start, code, caplog):
     proto = TwilioProtocol(Session("sess_t", VadParams(), SessionLimits(acked_playback=True)))
     with caplog.at_level(logging.WARNING, logger="duplex.twilio"):
-        proto.receive(json.dumps({"event": "start", "sequenceNumber": "1", "start": start}), 0.0)
+        feed(proto, json.dumps({"event": "start", "sequenceNumber": "1", "start": start}), 0.0)
     assert proto.state is StreamState.STOPPED and proto.closing[0] == code
     if isinstance(start, dict) and "streamSid" in start:
         assert SID in caplog.records[0].getMessage()
-    proto.receive(Wire().media(b"\xff" * FRAME_BYTES), 0.1)  # ignored, no crash
+    feed(proto, Wire().media(b"\xff" * FRAME_BYTES), 0.1)  # ignored, no crash
     assert proto.stats.media_in == 0
 
 
 def test_dtmf_is_logged_and_the_end_digit_ends_the_call():
     proto, wire = started(end_call_digit="9")
     for d in "1#*":
-        proto.receive(wire.dtmf(d), 1.0)
+        feed(proto, wire.dtmf(d), 1.0)
     assert proto.stats.digits == ["1", "#", "*"] and proto.closing is None
-    proto.receive(wire.dtmf("9"), 1.1)
+    feed(proto, wire.dtmf("9"), 1.1)
     assert proto.closing == (1000, "caller pressed 9") and proto.state is StreamState.STOPPED
-    proto.receive(wire.dtmf("1"), 1.2)
+    feed(proto, wire.dtmf("1"), 1.2)
     assert proto.stats.digits == ["1", "#", "*", "9"]
 
 
 def test_stop_ends_the_stream_and_sequence_gaps_are_counted():
     proto, wire = started()
     wire.seq += 3  # three messages lost
-    proto.receive(wire.media(b"\xff" * FRAME_BYTES), 1.0)
+    feed(proto, wire.media(b"\xff" * FRAME_BYTES), 1.0)
     assert proto.faults["sequence_gap"] == 1 and proto.stats.media_in == 1
-    proto.receive(wire.stop(), 1.1)
+    feed(proto, wire.stop(), 1.1)
     assert proto.closing == (1000, "stream stopped") and proto.state is StreamState.STOPPED
 
 

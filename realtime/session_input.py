@@ -1,0 +1,115 @@
+"""What a client asks of its session, as typed inputs: the wire protocols parse messages into these,
+and only the session runner applies them (`apply_inputs`), so no protocol calls the session.
+
+Each input carries the client event's id, so a `SessionError` it raises is answered by an `error`
+event naming that client event, in the order the client sent them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from realtime.session import Session, SessionError
+from realtime.vad import VadParams
+
+
+@dataclass(frozen=True, slots=True)
+class AudioIn:
+    pcm: np.ndarray  # int16, 16 kHz
+    client_frame: bool = True  # False: a decoder's tail, not one of the client's frames (not counted)
+    event_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommitInput:
+    event_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClearInput:
+    event_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CreateResponse:
+    event_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequested:
+    response_id: str | None = None  # None: whichever is in progress
+    event_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClearOutput:
+    event_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TruncateItem:
+    item_id: str
+    audio_end_ms: float
+    event_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Played:
+    """The client (or its transport: Twilio marks) has played this much of a response."""
+
+    played_ms: float
+    underruns: int = 0
+    response_id: str | None = None
+    event_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SetTurnDetection:
+    params: VadParams | None  # None: the client commits its turns
+    event_id: str | None = None
+
+
+SessionInput = (AudioIn | CommitInput | ClearInput | CreateResponse | CancelRequested | ClearOutput | TruncateItem | Played
+                | SetTurnDetection)
+
+
+class InputSource(Protocol):
+    """A wire protocol: it queues the inputs it parsed and answers the ones the session refused."""
+
+    def inputs(self) -> list[SessionInput]: ...
+
+    def input_refused(self, error: SessionError, event_id: str | None) -> None: ...
+
+
+def apply(session: Session, inp: SessionInput, now: float) -> None:
+    match inp:
+        case AudioIn(pcm, client_frame):
+            session.receive_audio(pcm, now, client_frame)
+        case CommitInput():
+            session.receive_commit(now)
+        case ClearInput():
+            session.receive_clear()
+        case CreateResponse():
+            session.receive_response_create(now)
+        case CancelRequested(response_id):
+            session.receive_response_cancel(now, response_id)
+        case ClearOutput():
+            session.receive_output_clear(now)
+        case TruncateItem(item_id, audio_end_ms):
+            session.receive_truncate(item_id, audio_end_ms, now)
+        case Played(played_ms, underruns, response_id):
+            session.receive_played(played_ms, underruns, response_id)
+        case SetTurnDetection(params):
+            session.set_turn_detection(params)
+
+
+def apply_inputs(source: InputSource, session: Session, now: float) -> None:
+    """Everything `source` parsed since the last call, in order; refusals go back to it."""
+    for inp in source.inputs():
+        try:
+            apply(session, inp, now)
+        except SessionError as e:
+            source.input_refused(e, inp.event_id)
