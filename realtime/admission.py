@@ -14,14 +14,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Callable
 
 from engine.service_api import AtCapacity, EngineLike
 from realtime.config import ServerConfig
 from realtime.link import Link
 from realtime.messages import CloseReason
 from realtime.metrics import GatewayMetrics
-from realtime.runner import RunnerDeps, SessionRunner, WireProtocol
+from realtime.runner import AudioOut, RunnerDeps, SessionRunner, WireProtocol
 from realtime.session import Session, SessionLimits, new_id
 from realtime.vad import VadParams
 from realtime.vad_batch import VadBatcher
@@ -52,12 +51,12 @@ class Admission:
         return Session(new_id("sess"), turn_detection, limits, vad_deferred=self.deps.vad is not None)
 
     def open_session(self, transport: str, link: Link, proto: WireProtocol, resume_token: str | None = None,
-                     playback: Callable[[str], float] | None = None) -> SessionRunner:
+                     audio_out: AudioOut | None = None) -> SessionRunner:
         """A registered runner for `proto`'s session (from `new_session`); raises AtCapacity (counted)
         when the gateway's cap or the engine's capacity is reached."""
         session = proto.session
         conv = self._open_conversation(session.id, proto)
-        runner = SessionRunner(self.deps, link, proto, conv, transport, resume_token, playback)
+        runner = SessionRunner(self.deps, link, proto, conv, transport, resume_token, audio_out)
         self.sessions[runner.id] = runner
         self.metrics.sessions_total.inc()
         self.metrics.sessions_active.inc()

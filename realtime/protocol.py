@@ -102,9 +102,13 @@ def _get(obj: dict, key: str, types: type | tuple, *, required: bool = False, pr
 
 class RealtimeProtocol:
     def __init__(self, session: Session, limits: ProtocolLimits | None = None, settings: SessionSettings | None = None,
-                 opus: OpusOutput | None = None, resume: ResumeOffer | None = None) -> None:
+                 opus: OpusOutput | None = None, resume: ResumeOffer | None = None, audio_out_of_band: bool = False) -> None:
+        """`audio_out_of_band`: the answer's audio does not travel in events (WebRTC: the transport plays it
+        on its media track); each answer's audio is bracketed by output_audio_buffer.started/stopped."""
         self.opus = opus or OpusOutput()
         self.resume = resume
+        self.audio_out_of_band = audio_out_of_band
+        self._audio_started_for: str | None = None  # out of band: the response whose output_audio_buffer.started went out
         self.session = session  # the runner's: this machine reads only its id, pacing lead and first turn detection
         self.session_id, self.lead_ms, self.frame_ms = session.id, session.limits.lead_ms, session.limits.output_frame_ms
         self.turn_detection: VadParams | None = session.vad_params  # as the client last set it
@@ -153,6 +157,10 @@ class RealtimeProtocol:
     def open(self) -> None:
         extra = {} if self.resume is None else {"resume_token": self.resume.token, "resume_grace_s": self.resume.grace_s}
         self._emit("session.created", session=self._session_object(), **extra)
+
+    def playback_stopped(self, response_id: str) -> None:
+        """Out of band: the transport has played all of this answer's audio."""
+        self._emit("output_audio_buffer.stopped", response_id=response_id)
 
     def resumed_message(self, last_seq: int, replayed: int, missed: int) -> str:
         """`session.resumed`, the first message on a resumed connection. It is outside the numbered
@@ -337,7 +345,9 @@ class RealtimeProtocol:
         for ev in events:
             self._SENDERS[type(ev)](self, ev)
 
-    def _make_encoder(self) -> OutputEncoder:
+    def _make_encoder(self) -> OutputEncoder | _NoWireAudio:
+        if self.audio_out_of_band:
+            return _NoWireAudio()
         return OutputEncoder(self.settings.output_format, frame_ms=self.frame_ms,
                              opus_bitrate=self.opus.bitrate, opus_complexity=self.opus.complexity)
 
@@ -368,6 +378,9 @@ class RealtimeProtocol:
 
     def _send_audio(self, ev: ResponseAudio) -> None:
         self._audio_started = True
+        if self.audio_out_of_band and self._audio_started_for != ev.response_id:
+            self._audio_started_for = ev.response_id
+            self._emit("output_audio_buffer.started", response_id=ev.response_id)
         if ev.ttfa_ms is not None or ev.start_ms == 0:
             self._emit("duplex.latency", response_id=ev.response_id, epoch=ev.epoch, mark="first_audio",
                        ttfa_ms=None if ev.ttfa_ms is None else round(ev.ttfa_ms, 1))
@@ -457,6 +470,19 @@ class RealtimeProtocol:
                 "output": output, "output_modalities": ["audio"], "conversation_id": self.session_id,
                 "audio": {"output": {"format": self.settings.output_format.to_wire(), "voice": self.settings.voice}},
                 "usage": None, "metadata": None}
+
+
+class _NoWireAudio:
+    """The output encoder of a protocol whose audio never travels in events."""
+
+    def encode(self, pcm) -> list[bytes]:
+        return []
+
+    def flush(self) -> list[bytes]:
+        return []
+
+    def reset(self) -> None:
+        pass
 
 
 def _event_id(ev: dict) -> str | None:

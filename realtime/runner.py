@@ -45,7 +45,8 @@ from realtime.messages import (
 from realtime.metrics import GatewayMetrics
 from realtime.resume import ReplayBuffer, ResumeRefused
 from realtime.session import (
-    CancelResponse, EndTurn, PushAudio, Session, SessionError, SessionStats, StartResponse, TruncateResponse,
+    CancelResponse, EndTurn, OutputCleared, PushAudio, ResponseAudio, ResponseDone, Session, SessionError, SessionStats,
+    StartResponse, TruncateResponse,
 )
 from realtime.session_input import SessionInput, apply_inputs
 from realtime.vad_batch import VadBatcher
@@ -53,6 +54,25 @@ from realtime.vad_batch import VadBatcher
 log = logging.getLogger("duplex.gateway")
 
 _OBSERVE_FRAMES_S = 0.25
+
+
+class AudioOut(Protocol):
+    """A transport that plays the answer itself, beside its message link (WebRTC's paced media track).
+    The runner feeds it the session's paced audio and reads the playback cursor back from it."""
+
+    def play(self, response_id: str, pcm: np.ndarray) -> None:
+        """The next paced frame of an answer (int16, 16 kHz)."""
+
+    def finish(self, response_id: str) -> None:
+        """The answer's audio is complete: what is queued still plays."""
+
+    def clear(self, response_id: str) -> None:
+        """Barge-in: drop what is queued."""
+
+    def played_ms(self, response_id: str) -> float: ...
+
+    def take_drained(self) -> str | None:
+        """The id of a finished answer whose audio has all been played, once; else None."""
 
 
 class WireProtocol(Protocol):
@@ -162,9 +182,9 @@ class SessionRunner:
     """Runs one session until the client goes, the protocol ends it, or the server stops it."""
 
     def __init__(self, deps: RunnerDeps, link: Link, proto: WireProtocol, conv: Conversation, transport: str,
-                 resume_token: str | None = None, playback: Callable[[str], float] | None = None) -> None:
-        """`playback`: for a transport that plays the answer itself (WebRTC's paced track), the audio of a
-        response it has played so far (ms); the session's cursor is set from it before every client input."""
+                 resume_token: str | None = None, audio_out: AudioOut | None = None) -> None:
+        """`audio_out`: the transport plays the answer itself; the session's playback cursor is set from it
+        before every batch of input, so a barge-in truncates at what the listener heard."""
         lim = deps.limits
         self.deps, self.proto, self.conv = deps, proto, conv
         self.limits = lim
@@ -191,7 +211,7 @@ class SessionRunner:
         self._vad_submitted = False  # the session's VAD stream waits in the gateway's batcher
         self._observed_at = self._started
         self._deadline_timer: asyncio.TimerHandle | None = None
-        self._playback = playback
+        self._audio_out = audio_out
 
     async def run(self) -> None:
         self.task = asyncio.current_task()
@@ -342,7 +362,7 @@ class SessionRunner:
             # Some of the answer never reached the client and cannot be resent: end it cleanly
             # (output_audio_buffer.cleared + response.done cancelled, history cut to the last ack).
             self.session.receive_output_clear(now)
-            self.proto.send_session_events(self.session.events())
+            self._send_session_events()
             self._run_commands()
             self._flush()
             replay = self._replay.since(last_seq)
@@ -370,13 +390,13 @@ class SessionRunner:
             # metrics) does that work once per wake-up instead of once per audio packet.
             items = self.inbox.take_all()
             now = time.monotonic()
-            if self._playback is not None:
+            if self._audio_out is not None:
                 self._sync_playback()  # a barge-in in this input truncates at what was really played
             for item in items:
                 if isinstance(item, LinkClosed) and item.link is self.link and not self._on_link_closed(item.link, now):
                     return
                 self._handle(item, now)
-                self.proto.send_session_events(self.session.events())  # keeps events and errors in input order
+                self._send_session_events()  # keeps events and errors in input order
                 if self.closing is not None or self.proto.closing is not None:
                     break  # the rest is not for a session that is ending
             if not items:  # woken by a deadline, not by input
@@ -390,18 +410,34 @@ class SessionRunner:
                 self._submit_vad()
             # While detached nothing is paced out: undelivered audio is not played; pacing resumes on attach.
             next_due = self.session.poll_audio(now) if self.link is not None else None
-            self.proto.send_session_events(self.session.events())
+            self._send_session_events()
             self._run_commands()
+            if self._audio_out is not None and (rid := self._audio_out.take_drained()) is not None:
+                self.proto.playback_stopped(rid)
             self._flush()
             self._observe(now)
             if self.proto.closing is not None and self.closing is None:
                 code, text = self.proto.closing
                 self.closing = Closing(CloseReason.PROTOCOL_END if code == 1000 else CloseReason.POLICY, text, code)
 
+    def _send_session_events(self) -> None:
+        """The session's events to the protocol; their audio, when the transport plays it, to its output."""
+        events = self.session.events()
+        if self._audio_out is not None:
+            for ev in events:
+                match ev:
+                    case ResponseAudio(response_id=rid, pcm=pcm):
+                        self._audio_out.play(rid, pcm)
+                    case OutputCleared(response_id=rid):
+                        self._audio_out.clear(rid)
+                    case ResponseDone(response_id=rid):
+                        self._audio_out.finish(rid)
+        self.proto.send_session_events(events)
+
     def _sync_playback(self) -> None:
         r = self.session.response
         if r is not None and not r.status.finished:
-            self.session.receive_played(self._playback(r.id), 0, r.id)
+            self.session.receive_played(self._audio_out.played_ms(r.id), 0, r.id)
 
     def _arm_deadline(self, when: float) -> None:
         """Have the loop woken at `when`, or earlier: one timer kept across waits, not one per

@@ -5,10 +5,11 @@
 The browser sends its microphone as Opus 48 kHz on an audio track and opens a data channel named
 `oai-events` that carries the same JSON events as `WS /v1/realtime` (one `RealtimeProtocol` serves
 both). Differences, as in OpenAI's WebRTC mode: audio never travels in events, and the server owns the
-output buffer. So the answer goes out on our `PacedAudioTrack`, which hands aiortc one 20 ms frame per
-20 ms of wall time; the playback cursor is what that track has actually sent, and a barge-in drops
-the track's queue and sends `output_audio_buffer.cleared`. `output_audio_buffer.started|stopped`
-bracket each answer's audio.
+output buffer. So the protocol runs with `audio_out_of_band` and the runner hands the session's paced
+audio to this transport's `TrackAudioOut`, which puts it on our `PacedAudioTrack` (one 20 ms frame per
+20 ms of wall time to aiortc); the playback cursor is what that track has actually sent, and a
+barge-in drops the track's queue and sends `output_audio_buffer.cleared`.
+`output_audio_buffer.started|stopped` bracket each answer's audio.
 
 ICE: no STUN/TURN servers are configured (host candidates only; the offer must carry its candidates,
 no trickle). aioice never offers 127.0.0.1; when the gateway listens on loopback we add it, so a
@@ -39,9 +40,8 @@ from engine.service_api import AtCapacity
 from realtime.audio import StreamResampler
 from realtime.http import HttpReply, HttpRequest, HttpRoute, json_error
 from realtime.metrics import GatewayMetrics
-from realtime.protocol import RealtimeProtocol
 from realtime.runner import SessionRunner
-from realtime.session import RATE_HZ, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone
+from realtime.session import RATE_HZ
 from realtime.transports.websocket import realtime_protocol
 
 if TYPE_CHECKING:
@@ -135,67 +135,44 @@ class PacedAudioTrack(MediaStreamTrack):
         return frame
 
 
-class _NoWireAudio:
-    """RealtimeProtocol's output encoder, for a transport whose audio never travels in events."""
+class TrackAudioOut:
+    """The runner's `AudioOut` for WebRTC: the session's paced 16 kHz audio, resampled to 48 kHz, on the
+    paced track; the playback cursor is what the track has handed to the encoder."""
 
-    def encode(self, pcm):
-        return []
-
-    def flush(self):
-        return []
-
-    def reset(self) -> None:
-        pass
-
-
-class WebRtcProtocol(RealtimeProtocol):
-    """RealtimeProtocol with the answer's audio on the paced track and the cursor read from it."""
-
-    def __init__(self, *args, track: PacedAudioTrack, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, track: PacedAudioTrack) -> None:
         self.track = track
         self._resampler = StreamResampler(RATE_HZ, RTP_RATE_HZ)
         self._playing: str | None = None  # response whose audio is in or was in the track
-        self._generated: set[str] = set()
+        self._finished: set[str] = set()
 
-    def _make_encoder(self):
-        return _NoWireAudio()
+    def play(self, response_id: str, pcm: np.ndarray) -> None:
+        if self._playing != response_id:
+            self._playing = response_id
+            self._resampler = StreamResampler(RATE_HZ, RTP_RATE_HZ)  # one stream per answer: no tail of the last
+        self.track.push(response_id, self._resampler.process(pcm))
 
-    def send_session_events(self, events: list) -> None:
-        super().send_session_events(events)
-        # An answer's audio is over when the session finished it and the track has played it all.
-        if self._playing in self._generated and self.track.queued_ms == 0:
-            self._emit("output_audio_buffer.stopped", response_id=self._playing)
-            self.track.forget(self._playing)
-            self._generated.discard(self._playing)
-            self._playing = None
+    def finish(self, response_id: str) -> None:
+        if response_id == self._playing:
+            self.track.push(response_id, self._resampler.flush())
+            self._finished.add(response_id)
 
-    def _send_response_created(self, ev: ResponseCreated) -> None:
-        self._resampler = StreamResampler(RATE_HZ, RTP_RATE_HZ)
-        super()._send_response_created(ev)
-
-    def _send_audio(self, ev: ResponseAudio) -> None:
-        if self._playing != ev.response_id:
-            self._playing = ev.response_id
-            self._emit("output_audio_buffer.started", response_id=ev.response_id)
-        super()._send_audio(ev)
-        self.track.push(ev.response_id, self._resampler.process(ev.pcm))
-
-    def _send_output_cleared(self, ev: OutputCleared) -> None:
+    def clear(self, response_id: str) -> None:
         self.track.clear()
-        if self._playing == ev.response_id:
-            self.track.forget(ev.response_id)
+        if self._playing == response_id:
+            self.track.forget(response_id)
             self._playing = None
-        super()._send_output_cleared(ev)
 
-    def _send_done(self, ev: ResponseDone) -> None:
-        if ev.response_id == self._playing:
-            self.track.push(ev.response_id, self._resampler.flush())
-            self._generated.add(ev.response_id)
-        super()._send_done(ev)
+    def played_ms(self, response_id: str) -> float:
+        return self.track.emitted_ms(response_id)
 
-    _SENDERS = {**RealtimeProtocol._SENDERS, ResponseCreated: _send_response_created, ResponseAudio: _send_audio,
-                OutputCleared: _send_output_cleared, ResponseDone: _send_done}
+    def take_drained(self) -> str | None:
+        rid = self._playing
+        if rid is None or rid not in self._finished or self.track.queued_ms > 0:
+            return None
+        self.track.forget(rid)
+        self._finished.discard(rid)
+        self._playing = None
+        return rid
 
 
 class DataChannelLink:
@@ -282,10 +259,10 @@ class WebRtcCalls:
         track = PacedAudioTrack()
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         link = DataChannelLink(pc)
-        proto = realtime_protocol(self.ctx, admission.new_session(output_frame_ms=20), protocol_class=WebRtcProtocol, track=track)
+        proto = realtime_protocol(self.ctx, admission.new_session(output_frame_ms=20), audio_out_of_band=True)
         try:
             # counted against the cap while its data channel opens; a barge-in truncates at what the track really sent
-            runner = admission.open_session(NAME, link, proto, playback=track.emitted_ms)
+            runner = admission.open_session(NAME, link, proto, audio_out=TrackAudioOut(track))
         except AtCapacity as e:
             await pc.close()
             return json_error(HTTPStatus.SERVICE_UNAVAILABLE, AtCapacity.code, str(e), {"Retry-After": "5"})

@@ -70,13 +70,13 @@ def error_event(code: str, message: str) -> str:
 
 
 def realtime_protocol(ctx: TransportContext, session: Session, resume_token: str | None = None,
-                      protocol_class: type[RealtimeProtocol] = RealtimeProtocol, **extra) -> RealtimeProtocol:
+                      audio_out_of_band: bool = False) -> RealtimeProtocol:
     """The OpenAI Realtime event machine for a session, with the server's settings (WebRTC's data channel too)."""
     cfg = ctx.config
     resume = ResumeOffer(resume_token, cfg.limits.resume_grace_s) if resume_token else None
-    return protocol_class(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes),
-                          SessionSettings.of(cfg.session, ctx.voices), OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity),
-                          resume, **extra)
+    return RealtimeProtocol(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes),
+                            SessionSettings.of(cfg.session, ctx.voices), OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity),
+                            resume, audio_out_of_band)
 
 
 def register(ctx: TransportContext) -> None:
