@@ -382,9 +382,13 @@ class SessionRunner:
         while self.closing is None:
             now = time.monotonic()
             idle_at = self._last_client + lim.idle_timeout_s if self._detached_at is None else self._detached_at + lim.resume_grace_s
-            wake = min(next_due if next_due is not None else idle_at, idle_at)
-            if self.inbox.empty and wake > now:
-                self._arm_deadline(wake)
+            r = self.session.response
+            # A playing answer defers the idle timeout: its deadline is no wake-up (a past one would spin the loop).
+            idle_wake = None if self._detached_at is None and r is not None and not r.status.finished else idle_at
+            wake = min((t for t in (next_due, idle_wake) if t is not None), default=None)
+            if self.inbox.empty and (wake is None or wake > now):
+                if wake is not None:
+                    self._arm_deadline(wake)
                 await self.inbox.wait()
             # Handling everything queued before the per-wake work (pacing, events, engine commands,
             # metrics) does that work once per wake-up instead of once per audio packet.
@@ -399,6 +403,8 @@ class SessionRunner:
                 self._send_session_events()  # keeps events and errors in input order
                 if self.closing is not None or self.proto.closing is not None:
                     break  # the rest is not for a session that is ending
+            if self.closing is not None:
+                return  # its final error is out: nothing may follow it
             if not items:  # woken by a deadline, not by input
                 if self._detached_at is not None and now >= idle_at:
                     log.info("session %s: not resumed within %.0f s", self.id, lim.resume_grace_s)

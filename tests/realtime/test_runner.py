@@ -1,0 +1,782 @@
+"""realtime.runner.SessionRunner and realtime.admission.Admission, end to end without sockets or a model.
+
+A real RealtimeProtocol and Session, RunnerDeps/Admission built from realtime.config, the fake engine
+(tests/realtime/fake_engine.py) and an in-memory `MemoryLink` in place of the WebSocket. Each test runs
+its own event loop (asyncio.run) and checks concrete values: wire events, the samples that went out,
+what the engine was told, close codes, end reasons, metrics.
+
+Speech is engine/codec/synth.py's `speech_like` (Silero detects it); the client sends it as
+input_audio_buffer.append events of pcm16 at 24 kHz, faster than real time (VAD works on sample
+positions, not on the clock). Answers are paced at real time, so the tests keep them short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+
+import numpy as np
+import pytest
+import soxr
+from fake_engine import FakeEngine, answer_pcm
+
+from engine.codec.synth import speech_like
+from engine.service_api import AtCapacity, Role
+from realtime.admission import Admission
+from realtime.audio import InputDecoder, OutputEncoder, WireFormat
+from realtime.config import config_from_dict
+from realtime.messages import CloseReason
+from realtime.metrics import GatewayMetrics
+from realtime.protocol import OpusOutput, ProtocolLimits, RealtimeProtocol, ResumeOffer, SessionSettings
+from realtime.resume import ResumeRefused, new_resume_token
+from realtime.runner import SessionRunner
+from realtime.vad_batch import VadBatcher
+
+RATE = 16_000  # engine side
+WIRE_RATE = 24_000  # audio/pcm on the wire
+LEAD_MS = 150.0  # config default audio.lead_ms
+FRAME_MS = 40  # config default audio.output_frame_ms
+TEST_TIMEOUT_S = 15.0
+STALL_MS = 250.0  # slack for a loaded machine where the cursor is checked against the pacer's ideal schedule
+
+
+# ---- the in-memory link ---------------------------------------------------------------------------
+
+_EOF = object()
+
+
+class MemoryLink:
+    """The runner's `Link`: messages() fed from a queue, send() recorded with time.monotonic() stamps,
+    close() recorded, lost() a settable flag."""
+
+    def __init__(self, block_send: bool = False) -> None:
+        self._in: asyncio.Queue = asyncio.Queue()
+        self.sent: list[tuple[float, str | bytes]] = []
+        self.closes: list[tuple[int, str]] = []
+        self.is_lost = False
+        self.block_send = block_send
+        self.send_calls = 0
+
+    # Link
+    async def messages(self):
+        while True:
+            m = await self._in.get()
+            if m is _EOF:
+                return
+            yield m
+
+    async def send(self, message: str | bytes) -> None:
+        self.send_calls += 1
+        if self.block_send:
+            await asyncio.get_running_loop().create_future()  # a client that never reads
+        self.sent.append((time.monotonic(), message))
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closes.append((code, reason))
+
+    def lost(self) -> bool:
+        return self.is_lost
+
+    # the client's side
+    def feed(self, *events: dict | str) -> None:
+        for ev in events:
+            self._in.put_nowait(ev if isinstance(ev, str) else json.dumps(ev))
+
+    def hang_up(self, lost: bool = False) -> None:
+        """The client goes away: with a goodbye (lost=False) or the connection dies (lost=True)."""
+        self.is_lost = lost
+        self._in.put_nowait(_EOF)
+
+    def events(self) -> list[dict]:
+        return [json.loads(m) for _, m in self.sent if isinstance(m, str)]
+
+    def timed_events(self) -> list[tuple[float, dict]]:
+        return [(t, json.loads(m)) for t, m in self.sent if isinstance(m, str)]
+
+    def types(self) -> list[str]:
+        return [e["type"] for e in self.events()]
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events() if e["type"] == kind]
+
+    def deltas(self, response_id: str | None = None) -> list[dict]:
+        return [e for e in self.of("response.output_audio.delta") if response_id is None or e["response_id"] == response_id]
+
+
+class FloodLink(MemoryLink):
+    """A client that sends harmless events as fast as the session takes them, after `first`."""
+
+    def __init__(self, first: list[dict], flood: dict) -> None:
+        super().__init__()
+        self.first = [json.dumps(e) for e in first]
+        self.flood = json.dumps(flood)
+        self.flooding = True
+        self.flood_sent = 0
+
+    async def messages(self):
+        for m in self.first:
+            yield m
+        while self.flooding:
+            self.flood_sent += 1
+            yield self.flood  # never suspends here: the reader waits only for room in the client lane
+
+
+# ---- the server side --------------------------------------------------------------------------------
+
+
+class Rig:
+    """An Admission over a FakeEngine with a config from realtime.config (`config_from_dict(config)`)."""
+
+    def __init__(self, engine: FakeEngine | None = None, config: dict | None = None) -> None:
+        self.engine = engine or FakeEngine(capacity=4)
+        self.cfg = config_from_dict(config or {})
+        self.metrics = GatewayMetrics()
+        self.vad = VadBatcher(self.cfg.audio.vad_batch_ms) if self.cfg.audio.vad_batch_ms > 0 else None
+        self.adm = Admission(self.engine, self.cfg, self.metrics, self.vad)
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def open(self, link: MemoryLink, resumable: bool = False) -> SessionRunner:
+        """Admit a session over `link` (raises AtCapacity) and start running it."""
+        runner = self.admit(link, resumable)
+        self.tasks[runner.id] = asyncio.create_task(self.adm.run(runner))
+        return runner
+
+    def admit(self, link: MemoryLink, resumable: bool = False) -> SessionRunner:
+        cfg = self.cfg
+        session = self.adm.new_session()
+        token = new_resume_token() if resumable else None
+        proto = RealtimeProtocol(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes),
+                                 SessionSettings.of(cfg.session, {}), OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity),
+                                 ResumeOffer(token, cfg.limits.resume_grace_s) if token else None)
+        return self.adm.open_session("websocket", link, proto, resume_token=token)
+
+    def conv(self, runner: SessionRunner):
+        return self.engine.conversation(runner.id)
+
+    async def ended(self, runner: SessionRunner, timeout: float = 5.0) -> None:
+        await asyncio.wait_for(asyncio.shield(self.tasks[runner.id]), timeout)
+
+    def metric(self, name: str, **labels) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def run(coro_fn) -> None:
+    """Run one test's coroutine on its own event loop, bounded in time."""
+    async def main():
+        await asyncio.wait_for(coro_fn(), TEST_TIMEOUT_S)
+    asyncio.run(main())
+
+
+async def until(pred, what: str, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+# ---- audio ------------------------------------------------------------------------------------------
+
+
+def silence16(ms: float) -> np.ndarray:
+    return np.zeros(int(RATE * ms / 1000), np.int16)
+
+
+def speech16(seconds: float, seed: int) -> np.ndarray:
+    return (speech_like(seconds, seed=seed) * 20000).astype(np.int16)
+
+
+def appends(pcm16: np.ndarray, piece_ms: int = 20) -> list[dict]:
+    """16 kHz audio as the client sends it: input_audio_buffer.append events of pcm16 at 24 kHz."""
+    wire = soxr.resample(pcm16, RATE, WIRE_RATE).astype("<i2")
+    n = WIRE_RATE * piece_ms // 1000
+    return [{"type": "input_audio_buffer.append", "event_id": f"ev_a{i}",
+             "audio": base64.b64encode(wire[i : i + n].tobytes()).decode("ascii")} for i in range(0, wire.size, n)]
+
+
+def user_turn16() -> np.ndarray:
+    """300 ms silence, ~1 s of speech, 700 ms silence: one server-VAD turn."""
+    return np.concatenate([silence16(300), speech16(1.0, seed=3), silence16(700)])
+
+
+def decode_deltas(deltas: list[dict]) -> np.ndarray:
+    return np.frombuffer(b"".join(base64.b64decode(d["delta"]) for d in deltas), "<i2")
+
+
+def delta_ms(d: dict) -> float:
+    return len(base64.b64decode(d["delta"])) / 2 / (WIRE_RATE / 1000)
+
+
+def wire_answer(conv_index: int, response_index: int, answer_ms: float) -> np.ndarray:
+    """What the fake's answer (its ramp) is on the wire: 16 kHz -> 24 kHz pcm16, fed to the encoder in the
+    session's 40 ms pacing frames exactly as the protocol does, then flushed (response.done)."""
+    enc = OutputEncoder(WireFormat.PCM16, frame_ms=FRAME_MS)
+    enc.reset()
+    pcm = answer_pcm(conv_index, response_index, 0, int(RATE * answer_ms / 1000))
+    step = RATE * FRAME_MS // 1000
+    frames = [f for i in range(0, pcm.size, step) for f in enc.encode(pcm[i : i + step])] + enc.flush()
+    return np.frombuffer(b"".join(frames), "<i2")
+
+
+def assert_audio_equal(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal sample for sample, within soxr's int16 dither (+-2 LSB: the streaming resampler is not bit-exact
+    from one run to the next). A ramp of step 7 at 16 kHz moves ~4.7 per 24 kHz sample: a sample missing,
+    repeated or shifted fails this."""
+    assert got.size == want.size, (got.size, want.size)
+    diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
+    assert diff.max(initial=0) <= 2, (int(diff.max()), int(np.argmax(diff)))
+
+
+def index_of(types: list[str], kind: str, start: int = 0) -> int:
+    return types.index(kind, start)
+
+
+# ---- turn-taking --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vad_batch_ms", [0.0, 30.0], ids=["vad_inline", "vad_batched"])
+def test_turn_taking_user_speech_to_a_paced_answer_of_the_engines_audio(vad_batch_ms):
+    async def main():
+        rig = Rig(FakeEngine(capacity=2, answer_ms=1000, chunk_ms=80), {"audio": {"vad_batch_ms": vad_batch_ms}})
+        assert (rig.vad is None) == (vad_batch_ms == 0)
+        link = MemoryLink()
+        runner = rig.open(link)
+        assert runner.session.vad_deferred == (vad_batch_ms > 0)
+        pcm = user_turn16()
+        msgs = appends(pcm)
+        link.feed(*msgs)
+        await until(lambda: link.of("response.done"), "response.done", timeout=8)
+        types = link.types()
+        assert types[0] == "session.created"
+        assert link.events()[0]["session"]["id"] == runner.id
+        i_start = index_of(types, "input_audio_buffer.speech_started")
+        i_stop = index_of(types, "input_audio_buffer.speech_stopped", i_start)
+        i_commit = index_of(types, "input_audio_buffer.committed", i_stop)
+        i_created = index_of(types, "response.created", i_commit)
+        i_delta = index_of(types, "response.output_audio.delta", i_created)
+        i_done = index_of(types, "response.done", i_delta)
+        assert i_start < i_stop < i_commit < i_created < i_delta < i_done == len(types) - 1
+        started, stopped, committed = link.of("input_audio_buffer.speech_started")[0], \
+            link.of("input_audio_buffer.speech_stopped")[0], link.of("input_audio_buffer.committed")[0]
+        assert 0 <= started["audio_start_ms"] <= 300 and 900 <= stopped["audio_end_ms"] <= 1400
+        assert started["item_id"] == stopped["item_id"] == committed["item_id"]
+        assert types.count("input_audio_buffer.speech_started") == 1 and types.count("response.created") == 1
+        rid = link.of("response.created")[0]["response"]["id"]
+        done = link.of("response.done")[0]["response"]
+        assert done["id"] == rid and done["status"] == "completed" and done["status_details"] is None
+        assert done["duplex"]["audio_ms"] == 1000.0 and done["duplex"]["epoch"] == 0
+        # the engine: the user's audio from the (padded) speech start, the turn ended, then respond(rid)
+        conv = rig.conv(runner)
+        assert conv.respond_ids == [rid] and conv.handles[0].id == rid
+        kinds = [c[0] for c in conv.calls]
+        assert kinds == ["push"] * (len(kinds) - 2) + ["end_turn", "respond"] and len(kinds) > 20
+        assert conv.calls[-1] == ("respond", rid)
+        dec = InputDecoder(WireFormat.PCM16)
+        decoded = np.concatenate([dec.decode(base64.b64decode(m["audio"])) for m in msgs])
+        pushed = conv.user_audio(0)
+        first = int(started["audio_start_ms"] * RATE / 1000)
+        assert_audio_equal(pushed, decoded[first : first + pushed.size])
+        assert pushed.size >= (stopped["audio_end_ms"] - started["audio_start_ms"]) * RATE / 1000
+        # the client: every delta of this response, sample for sample the fake's ramp on the wire
+        deltas = link.deltas()
+        assert {d["response_id"] for d in deltas} == {rid} and {d["epoch"] for d in deltas} == {0}
+        assert all(len(base64.b64decode(d["delta"])) == 2 * WIRE_RATE * FRAME_MS // 1000 for d in deltas[:-1])
+        out = decode_deltas(deltas)
+        assert out.size == WIRE_RATE  # 1 s
+        assert_audio_equal(out, wire_answer(conv.index, 0, 1000))
+        # the runner counted it
+        assert runner.session.stats.responses == 1 and len(runner.session.stats.ttfa_ms) == 1
+        link.hang_up()
+        await rig.ended(runner)
+        assert runner.end_reason() is CloseReason.CLIENT_CLOSED and link.closes == [(1000, "")]
+        assert rig.metric("duplex_responses_total", status="completed") == 1.0
+        assert rig.metric("duplex_sessions_ended_total", transport="websocket", reason="client_closed") == 1.0
+
+    run(main)
+
+
+def test_pacing_releases_no_faster_than_real_time_plus_lead():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=1000, chunk_ms=200, step_s=0.0))  # the engine is far ahead of real time
+        link = MemoryLink()
+        runner = rig.open(link)
+        link.feed({"type": "response.create"})
+        await until(lambda: link.of("response.done"), "response.done")
+        timed = [(t, e) for t, e in link.timed_events() if e["type"] == "response.output_audio.delta"]
+        assert len(timed) >= 24
+        t0 = timed[0][0]
+        sent_ms = 0.0
+        for t, e in timed:
+            sent_ms += delta_ms(e)
+            # audio out by t: at most the time since the first frame + the lead + one frame (+ resampler, slack)
+            assert sent_ms <= 1000 * (t - t0) + LEAD_MS + FRAME_MS + 40 + 30, (sent_ms, t - t0)
+        assert sent_ms == pytest.approx(1000, abs=1)
+        span = timed[-1][0] - t0
+        assert 0.7 <= span <= 2.0, span  # a 1 s answer: ~0.81 s from its first frame to its last
+        link.hang_up()
+        await rig.ended(runner)
+
+    run(main)
+
+
+# ---- barge-in, cancel, truncate -------------------------------------------------------------------------
+
+
+def test_barge_in_truncates_at_the_playback_cursor():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=4000, chunk_ms=80))
+        link = MemoryLink()
+        runner = rig.open(link)
+        conv = rig.conv(runner)
+        link.feed({"type": "response.create"})
+        await until(lambda: sum(map(delta_ms, link.deltas())) >= 600, "600 ms of answer sent")
+        rid = link.of("response.created")[0]["response"]["id"]
+        handle = conv.handles[0]
+        conv.answer_ms = 300  # the answer to the interruption
+        link.feed(*appends(np.concatenate([speech16(1.0, seed=5), silence16(700)])))
+        await until(lambda: len(link.of("response.done")) == 2, "the second answer done", timeout=6)
+        types = link.types()
+        i_clear = index_of(types, "output_audio_buffer.cleared")
+        i_done = index_of(types, "response.done")
+        i_speech = index_of(types, "input_audio_buffer.speech_started")
+        assert i_clear < i_done < i_speech
+        assert link.events()[i_clear]["response_id"] == rid
+        done = link.events()[i_done]["response"]
+        assert done["id"] == rid and done["status"] == "cancelled"
+        assert done["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
+        # no audio of the interrupted answer after the clear
+        assert all(e.get("response_id") != rid for e in link.events()[i_clear + 1:] if e["type"] == "response.output_audio.delta")
+        audio_ms, played_ms = done["duplex"]["audio_ms"], done["duplex"]["played_ms"]
+        client_ms = sum(map(delta_ms, link.deltas(rid)))
+        assert audio_ms - 80 <= client_ms <= audio_ms  # the wire lags the pacer by the resampler's delay at most
+        assert 600 <= audio_ms < 4000
+        # the engine was cancelled at what the client played: the audio sent, less the lead (the pacer's
+        # schedule; STALL_MS: a stalled event loop re-anchors it later, as a client's underrun would)
+        assert len(handle.cancels) == 1 and handle.cancels[0] == pytest.approx(played_ms, abs=0.1)
+        assert audio_ms - LEAD_MS - FRAME_MS - STALL_MS <= handle.cancels[0] <= audio_ms
+        assert client_ms - LEAD_MS - FRAME_MS - STALL_MS <= handle.cancels[0] <= client_ms + 80
+        await handle.wait_ended()
+        assert handle.cancelled  # (the fake generated all 4 s long before: the cancel cuts its history turn)
+        hist = conv.history
+        assert [t.role for t in hist[:3]] == [Role.USER, Role.ASSISTANT, Role.USER]
+        assert hist[1].audio_frames == int(handle.cancels[0] // 20)
+        # the interruption was a user turn and got its own answer, in the next epoch
+        second = link.of("response.created")[1]
+        assert second["epoch"] == 1 and conv.respond_ids == [rid, second["response"]["id"]]
+        assert link.of("response.done")[1]["response"]["status"] == "completed"
+        assert {d["epoch"] for d in link.deltas(second["response"]["id"])} == {1}
+        assert runner.session.stats.barge_ins == 1
+        link.hang_up()
+        await rig.ended(runner)
+        assert rig.metric("duplex_barge_ins_total") == 1.0
+
+    run(main)
+
+
+def test_client_cancel_then_truncate_after_completion():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=3000, chunk_ms=80))
+        link = MemoryLink()
+        runner = rig.open(link)
+        conv = rig.conv(runner)
+        link.feed({"type": "response.create"})
+        await until(lambda: sum(map(delta_ms, link.deltas())) >= 300, "300 ms of answer sent")
+        rid1 = link.of("response.created")[0]["response"]["id"]
+        conv.answer_ms = 400
+        link.feed({"type": "response.cancel", "event_id": "ev_cancel"})
+        await until(lambda: link.of("response.done"), "response.done (cancelled)")
+        done1 = link.of("response.done")[0]["response"]
+        assert done1["id"] == rid1 and done1["status"] == "cancelled"
+        assert done1["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
+        assert link.of("output_audio_buffer.cleared") == [{**link.of("output_audio_buffer.cleared")[0], "response_id": rid1}]
+        h1 = conv.handles[0]
+        assert h1.cancels == [pytest.approx(done1["duplex"]["played_ms"], abs=0.1)]
+        assert done1["duplex"]["audio_ms"] - LEAD_MS - FRAME_MS - STALL_MS <= h1.cancels[0] <= done1["duplex"]["audio_ms"]
+        # a second answer completes; then the client says it played only 100 ms of it
+        link.feed({"type": "response.create"})
+        await until(lambda: len(link.of("response.done")) == 2, "the second response.done")
+        done2 = link.of("response.done")[1]["response"]
+        rid2, item2 = done2["id"], done2["output"][0]["id"]
+        assert done2["status"] == "completed" and conv.respond_ids == [rid1, rid2]
+        await conv.handles[1].wait_ended()
+        link.feed({"type": "conversation.item.truncate", "item_id": item2, "content_index": 0, "audio_end_ms": 100})
+        await until(lambda: link.of("conversation.item.truncated"), "conversation.item.truncated")
+        assert link.of("conversation.item.truncated")[0]["item_id"] == item2
+        assert link.of("conversation.item.truncated")[0]["audio_end_ms"] == 100
+        assert [(t.response_id, t.played_ms, t.applied) for t in conv.truncates] == [(rid2, 100.0, True)]
+        assert conv.history[-1].role is Role.ASSISTANT and conv.history[-1].audio_frames == 5
+        # the cancelled item is not the latest: refused, the engine is not told
+        item1 = done1["output"][0]["id"]
+        link.feed({"type": "conversation.item.truncate", "event_id": "ev_t1", "item_id": item1, "audio_end_ms": 50})
+        await until(lambda: link.of("error"), "an error")
+        err = link.of("error")[0]["error"]
+        assert err["code"] == "item_not_truncatable" and err["event_id"] == "ev_t1"
+        assert len(conv.truncates) == 1
+        link.hang_up()
+        await rig.ended(runner)
+        assert rig.metric("duplex_responses_total", status="cancelled") == 1.0
+        assert rig.metric("duplex_responses_total", status="completed") == 1.0
+        assert rig.metric("duplex_client_errors_total") == 1.0
+
+    run(main)
+
+
+# ---- failures and limits ---------------------------------------------------------------------------------
+
+
+def test_engine_failure_fails_the_response_and_the_session_goes_on():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=500, chunk_ms=80, fail_after_chunks=2))
+        link = MemoryLink()
+        runner = rig.open(link)
+        conv = rig.conv(runner)
+        link.feed({"type": "response.create"})
+        await until(lambda: link.of("response.done"), "response.done (failed)")
+        rid1 = link.of("response.created")[0]["response"]["id"]
+        err = link.of("error")
+        assert len(err) == 1 and err[0]["error"]["code"] == "engine_error" and err[0]["error"]["type"] == "server_error"
+        assert rid1 in err[0]["error"]["message"]
+        done1 = link.of("response.done")[0]["response"]
+        assert done1["id"] == rid1 and done1["status"] == "failed"
+        assert done1["status_details"] == {"type": "failed", "reason": "engine_error"}
+        assert conv.handles[0].status == "failed"
+        conv.fail_after_chunks = None
+        link.feed({"type": "response.create"})
+        await until(lambda: len(link.of("response.done")) == 2, "the second response.done")
+        done2 = link.of("response.done")[1]["response"]
+        assert done2["status"] == "completed" and done2["duplex"]["audio_ms"] == 500.0
+        assert done2["duplex"]["epoch"] == 1  # a failed response starts a new epoch
+        assert_audio_equal(decode_deltas(link.deltas(done2["id"])), wire_answer(conv.index, 1, 500))
+        assert not rig.tasks[runner.id].done()
+        link.hang_up()
+        await rig.ended(runner)
+        assert runner.end_reason() is CloseReason.CLIENT_CLOSED
+        assert rig.metric("duplex_responses_total", status="failed") == 1.0
+        assert rig.metric("duplex_client_errors_total") == 0.0  # the engine's failure is not the client's
+
+    run(main)
+
+
+def test_idle_timeout_closes_a_silent_session():
+    async def main():
+        rig = Rig(config={"limits": {"idle_timeout_s": 0.3}})
+        link = MemoryLink()
+        t0 = time.monotonic()
+        runner = rig.open(link)
+        await rig.ended(runner)
+        assert 0.25 <= time.monotonic() - t0 <= 2.0
+        assert runner.end_reason() is CloseReason.IDLE_TIMEOUT
+        assert link.types() == ["session.created", "error"]
+        err = link.of("error")[0]["error"]
+        assert err["code"] == "idle_timeout" and err["type"] == "server_error" and err["event_id"] is None
+        assert len(link.closes) == 1 and link.closes[0][0] == 1000 and "no client event" in link.closes[0][1]
+        assert rig.metric("duplex_sessions_ended_total", transport="websocket", reason="idle_timeout") == 1.0
+        assert rig.conv(runner).closed
+
+        # a client event restarts the clock
+        link2 = MemoryLink()
+        t0 = time.monotonic()
+        runner2 = rig.open(link2)
+        for _ in range(3):
+            await asyncio.sleep(0.2)
+            link2.feed({"type": "input_audio_buffer.clear"})
+        await rig.ended(runner2)
+        assert time.monotonic() - t0 >= 0.85
+        assert runner2.end_reason() is CloseReason.IDLE_TIMEOUT and link2.types()[-1] == "error"
+
+    run(main)
+
+
+def test_idle_timeout_waits_for_a_playing_answer_without_blocking_the_event_loop():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=1200, chunk_ms=80), {"limits": {"idle_timeout_s": 0.3}})
+        link = MemoryLink()
+        ticks: list[float] = []
+
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        tick_task = asyncio.create_task(ticker())
+        runner = rig.open(link)
+        link.feed({"type": "response.create"})
+        await rig.ended(runner)
+        tick_task.cancel()
+        # the answer (longer than the idle timeout) is not cut: the session closes after it
+        assert runner.end_reason() is CloseReason.IDLE_TIMEOUT
+        assert link.types()[-2:] == ["response.done", "error"]
+        assert link.of("response.done")[0]["response"]["status"] == "completed"
+        # ... and it is paced to the end, with the event loop free all along
+        gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+        assert max(gaps) < 0.35, f"the event loop was blocked for {max(gaps):.2f} s"
+        timed = [(t, e) for t, e in link.timed_events() if e["type"] == "response.output_audio.delta"]
+        assert timed[-1][0] - timed[0][0] >= 0.8
+
+    run(main)
+
+
+def test_slow_client_is_disconnected():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=2000, chunk_ms=80), {"limits": {"outbound_queue": 8, "close_timeout_s": 0.2}})
+        link = MemoryLink(block_send=True)
+        runner = rig.open(link)
+        link.feed({"type": "response.create"})
+        await rig.ended(runner, timeout=3)
+        assert runner.end_reason() is CloseReason.SLOW_CLIENT
+        assert link.closes == [(1008, "slow client: outbound queue full")]
+        assert link.sent == [] and link.send_calls == 1  # the writer never got past its first message
+        assert rig.metric("duplex_sessions_ended_total", transport="websocket", reason="slow_client") == 1.0
+        assert rig.metric("duplex_sessions_refused_total", reason="slow_client") == 1.0
+        assert rig.conv(runner).closed and rig.adm.sessions == {}
+
+    run(main)
+
+
+def test_engine_chunks_reach_the_client_behind_a_full_client_lane():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=600, chunk_ms=40), {"limits": {"inbound_queue": 1}})
+        # cheap events that change nothing (an ack of another response), as fast as the session takes them
+        link = FloodLink([{"type": "response.create"}],
+                         {"type": "output_audio_buffer.played", "played_ms": 0, "response_id": "resp_other"})
+        runner = rig.open(link)
+        full_seen = 0
+
+        def sample() -> bool:
+            nonlocal full_seen
+            full_seen += len(runner.inbox._client) >= runner.inbox.limit
+            return bool(link.of("response.done"))
+
+        t0 = time.monotonic()
+        await until(sample, "response.done behind the flood", timeout=5)
+        elapsed = time.monotonic() - t0
+        flood_at_done = link.flood_sent
+        done = link.of("response.done")[0]["response"]
+        assert done["status"] == "completed" and done["duplex"]["audio_ms"] == 600.0
+        assert_audio_equal(decode_deltas(link.deltas(done["id"])), wire_answer(rig.conv(runner).index, 0, 600))
+        assert elapsed <= 2.0, elapsed  # real time (~0.45 s) with slack, not behind the flood
+        assert flood_at_done > 100 and full_seen > 0  # the client lane was busy all along
+        assert link.of("error") == []
+        link.flooding = False
+        await rig.ended(runner)
+        assert runner.end_reason() is CloseReason.CLIENT_CLOSED
+
+    run(main)
+
+
+# ---- resume ------------------------------------------------------------------------------------------------
+
+
+def test_lost_link_detaches_and_attach_replays_then_resumes_pacing():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=1200, chunk_ms=80), {"limits": {"resume_grace_s": 5.0}})
+        a = MemoryLink()
+        runner = rig.open(a, resumable=True)
+        await until(lambda: a.sent, "session.created")
+        created = a.events()[0]
+        assert created["type"] == "session.created" and created["resume_token"] == runner.resume_token
+        assert created["resume_grace_s"] == 5.0
+        a.feed({"type": "response.create"})
+        await until(lambda: sum(map(delta_ms, a.deltas())) >= 300, "300 ms of answer on link A")
+        a.hang_up(lost=True)
+        await until(lambda: a.closes, "link A closed")
+        assert a.closes == [(1001, "connection lost")]
+        assert runner.link is None and not rig.tasks[runner.id].done()
+        assert rig.adm.find_resumable(runner.resume_token) is runner
+        await asyncio.sleep(0.3)  # detached: nothing is paced out, nothing ends
+        assert not rig.tasks[runner.id].done() and not a.of("response.done")
+        sent_a = [m for _, m in a.sent]
+        assert runner.messages_sent >= len(sent_a)
+        # the client received all but the last two messages link A sent
+        last_seq = len(sent_a) - 2
+        b = MemoryLink()
+        await runner.attach(b, last_seq)
+        await until(lambda: b.of("response.done"), "response.done on link B")
+        resumed = json.loads(b.sent[0][1])
+        assert resumed["type"] == "session.resumed" and resumed["last_seq"] == last_seq and resumed["missed"] == 0
+        n = resumed["replayed"]
+        assert n >= 2
+        replayed = [m for _, m in b.sent[1 : 1 + n]]
+        assert replayed[:2] == sent_a[last_seq:]
+        assert runner.resumes == 1 and runner.link is b
+        # the answer: what the client got on A (up to last_seq), then the replay and the rest on B, is all of it
+        got = [json.loads(m) for m in sent_a[:last_seq]] + [json.loads(m) for _, m in b.sent[1:]]
+        done = [e for e in got if e["type"] == "response.done"]
+        assert len(done) == 1 and done[0]["response"]["status"] == "completed"
+        deltas = [e for e in got if e["type"] == "response.output_audio.delta"]
+        assert_audio_equal(decode_deltas(deltas), wire_answer(rig.conv(runner).index, 0, 1200))
+        assert runner.messages_sent == len(sent_a) + len(b.sent) - 1 - 2  # session.resumed is not numbered
+        # a stale seq is refused; the session goes on
+        with pytest.raises(ResumeRefused) as e:
+            await runner.attach(MemoryLink(), runner.messages_sent + 5)
+        assert e.value.code == "invalid_last_seq"
+        b.hang_up()  # a goodbye: the session ends
+        await rig.ended(runner)
+        assert runner.end_reason() is CloseReason.CLIENT_CLOSED and b.closes == [(1000, "")]
+        assert rig.adm.find_resumable(runner.resume_token) is None
+
+    run(main)
+
+
+def test_resume_past_the_replay_buffer_ends_the_answer_cleanly():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=3000, chunk_ms=80), {"limits": {"resume_grace_s": 5.0, "resume_buffer_bytes": 6000}})
+        a = MemoryLink()
+        runner = rig.open(a, resumable=True)
+        a.feed({"type": "response.create"})
+        await until(lambda: sum(map(delta_ms, a.deltas())) >= 400, "400 ms of answer on link A")
+        a.hang_up(lost=True)
+        await until(lambda: runner.link is None, "detached")
+        b = MemoryLink()
+        await runner.attach(b, 1)  # the client got only session.created
+        await until(lambda: b.of("response.done"), "response.done on link B")
+        resumed = json.loads(b.sent[0][1])
+        assert resumed["type"] == "session.resumed" and resumed["last_seq"] == 1 and resumed["missed"] > 0
+        rid = a.of("response.created")[0]["response"]["id"]
+        done = b.of("response.done")[0]["response"]
+        assert done["id"] == rid and done["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
+        assert b.of("output_audio_buffer.cleared")[0]["response_id"] == rid
+        h = rig.conv(runner).handles[0]
+        assert h.cancels == [pytest.approx(done["duplex"]["played_ms"], abs=0.1)]
+        assert h.cancels[0] <= done["duplex"]["audio_ms"]
+        # the session goes on: a new answer on B
+        rig.conv(runner).answer_ms = 300
+        b.feed({"type": "response.create"})
+        await until(lambda: len(b.of("response.done")) == 2, "the second response.done")
+        assert b.of("response.done")[1]["response"]["status"] == "completed"
+        b.hang_up()
+        await rig.ended(runner)
+
+    run(main)
+
+
+def test_not_resumed_within_the_grace_ends_the_session():
+    async def main():
+        rig = Rig(config={"limits": {"resume_grace_s": 0.3}})
+        a = MemoryLink()
+        runner = rig.open(a, resumable=True)
+        await until(lambda: a.sent, "session.created")
+        t0 = time.monotonic()
+        a.hang_up(lost=True)
+        await rig.ended(runner)
+        assert 0.25 <= time.monotonic() - t0 <= 2.0
+        assert runner.end_reason() is CloseReason.CONNECTION_LOST
+        assert a.closes == [(1001, "connection lost")]
+        assert rig.conv(runner).closed and rig.adm.find_resumable(runner.resume_token) is None
+        assert rig.metric("duplex_sessions_ended_total", transport="websocket", reason="connection_lost") == 1.0
+        with pytest.raises(ResumeRefused):
+            await runner.attach(MemoryLink(), 1)
+        # a link that ends with a goodbye (not lost) ends its session at once, resumable or not
+        c = MemoryLink()
+        runner2 = rig.open(c, resumable=True)
+        await until(lambda: c.sent, "session.created")
+        c.hang_up(lost=False)
+        await rig.ended(runner2, timeout=1)
+        assert runner2.end_reason() is CloseReason.CLIENT_CLOSED
+
+    run(main)
+
+
+# ---- admission -------------------------------------------------------------------------------------------
+
+
+def test_admission_refuses_beyond_the_engines_capacity_and_discard_frees_it():
+    async def main():
+        rig = Rig(FakeEngine(capacity=1, answer_ms=200))
+        a = MemoryLink()
+        runner = rig.open(a)
+        assert rig.metric("duplex_sessions_active") == 1.0 and rig.metric("duplex_sessions_total") == 1.0
+        with pytest.raises(AtCapacity):
+            rig.admit(MemoryLink())
+        assert rig.metric("duplex_sessions_refused_total", reason="capacity") == 1.0
+        assert len(rig.engine.refused) == 1 and list(rig.adm.sessions) == [runner.id]
+        conv = rig.conv(runner)
+        a.hang_up()
+        await rig.ended(runner)
+        assert conv.closed and conv.close_calls == 1 and rig.engine.conversations == {}
+        assert rig.adm.sessions == {} and rig.metric("duplex_sessions_active") == 0.0
+        assert rig.metric("duplex_sessions_ended_total", transport="websocket", reason="client_closed") == 1.0
+        await rig.adm.discard(runner)  # twice: nothing more
+        assert conv.close_calls == 1
+        assert rig.metric("duplex_sessions_ended_total", transport="websocket", reason="client_closed") == 1.0
+        # the slot is free again
+        b = MemoryLink()
+        runner2 = rig.open(b)
+        b.hang_up()
+        await rig.ended(runner2)
+        assert rig.metric("duplex_sessions_total") == 2.0
+
+    run(main)
+
+
+def test_admission_refuses_beyond_max_sessions_before_asking_the_engine():
+    async def main():
+        rig = Rig(FakeEngine(capacity=8), {"limits": {"max_sessions": 2}})
+        links = [MemoryLink(), MemoryLink()]
+        runners = [rig.open(l) for l in links]
+        for _ in range(2):
+            with pytest.raises(AtCapacity, match="limit 2"):
+                rig.admit(MemoryLink())
+        assert rig.metric("duplex_sessions_refused_total", reason="capacity") == 2.0
+        assert rig.engine.refused == [] and len(rig.engine.opened) == 2
+        for l, r in zip(links, runners):
+            l.hang_up()
+            await rig.ended(r)
+
+    run(main)
+
+
+def test_stop_tells_every_session_and_closes_them_1001():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=3000))
+        links = [MemoryLink(), MemoryLink()]
+        runners = [rig.open(l) for l in links]
+        links[0].feed({"type": "response.create"})  # one of them mid-answer
+        await until(lambda: links[0].deltas(), "audio on the first session")
+        await rig.adm.stop()
+        for link, runner in zip(links, runners):
+            assert rig.tasks[runner.id].done()
+            assert runner.end_reason() is CloseReason.SERVER_SHUTDOWN
+            assert link.types()[-1] == "error"  # nothing follows the final error
+            err = link.of("error")[-1]["error"]
+            assert err["code"] == "server_shutting_down" and err["type"] == "server_error"
+            assert link.closes == [(1001, "the server is shutting down")]
+        assert rig.adm.sessions == {} and rig.engine.conversations == {}
+        assert rig.metric("duplex_sessions_ended_total", transport="websocket", reason="server_shutdown") == 2.0
+        with pytest.raises(AtCapacity):
+            rig.admit(MemoryLink())
+
+    run(main)
+
+
+def test_nothing_follows_the_final_error_of_a_shutdown():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=3000))
+        link = MemoryLink()
+        runner = rig.open(link)
+        link.feed({"type": "response.create"})
+        await until(lambda: sum(map(delta_ms, link.deltas())) >= 300, "300 ms of answer sent")
+        runner.shutdown(CloseReason.SERVER_SHUTDOWN, "server_shutting_down", "the server is shutting down")
+        time.sleep(0.12)  # the event loop is late (a GC pause, a busy neighbour): frames are due when the shutdown is handled
+        await rig.ended(runner)
+        assert runner.end_reason() is CloseReason.SERVER_SHUTDOWN
+        assert link.of("error")[0]["error"]["code"] == "server_shutting_down"
+        assert link.types()[-1] == "error", link.types()[-4:]
+
+    run(main)
+
+
+def test_stop_does_not_keep_a_lost_link_for_a_resume():
+    async def main():
+        rig = Rig(config={"limits": {"resume_grace_s": 30.0}})
+        a = MemoryLink()
+        runner = rig.open(a, resumable=True)
+        await until(lambda: a.sent, "session.created")
+        rig.adm.closing = True  # the server is stopping
+        a.hang_up(lost=True)
+        await rig.ended(runner, timeout=1)
+        assert runner.end_reason() is CloseReason.CLIENT_CLOSED
+
+    run(main)
