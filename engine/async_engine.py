@@ -21,7 +21,7 @@ from engine import guidance, vocab
 from engine.checkpoint import load_config
 from engine.delay import segment_frames
 from engine.request import AudioRequest, Generation
-from engine.vllm_plugin import SETTINGS_KEY
+from engine.vllm_plugin import SETTINGS_KEY, urgent_tokens
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class EngineConfig:
     log_stats: bool = False  # per-request vLLM stats (e.g. preemption counts)
     pacing_lead_ms: float = 500.0  # realtime requests run at most this far ahead of playback
     cpu_threads: int = 0  # CPU backend: the engine core's torch/OpenMP threads; 0 = vLLM's default (all cores)
+    first_chunk_frames: int = 4  # the codec's first chunk: a realtime response is most urgent until it can be decoded
     seed: int = 0
     dtype: str = "float32"
     extra_engine_args: dict = field(default_factory=dict)
@@ -94,7 +95,8 @@ def engine_args(cfg: EngineConfig):
         enable_chunked_prefill=cfg.enable_chunked_prefill,
         async_scheduling=False,  # the runner's hooks read each step's rows synchronously
         disable_log_stats=not cfg.log_stats,
-        additional_config={SETTINGS_KEY: {"pacing_lead_ms": cfg.pacing_lead_ms, "cpu_threads": cfg.cpu_threads}},
+        additional_config={SETTINGS_KEY: {"pacing_lead_ms": cfg.pacing_lead_ms, "cpu_threads": cfg.cpu_threads,
+                                          "urgent_tokens": urgent_tokens(cfg.first_chunk_frames)}},
     )
     if cfg.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens

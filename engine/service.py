@@ -481,6 +481,7 @@ class Engine:
                 block_size=cfg.kv_block_size,
                 pacing_lead_ms=cfg.pacing_lead_ms,
                 cpu_threads=engine_cpu_threads(cfg.cpu_threads, dac.device.type),
+                first_chunk_frames=cfg.first_chunk_frames,
                 enforce_eager=cfg.enforce_eager,
                 seed=cfg.seed,
             )

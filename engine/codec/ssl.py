@@ -15,9 +15,11 @@ import pathlib
 import torch
 from torch import nn
 
+from engine.codec.cluster import ClusterTokenizer
 from engine.codec.config import CONFIG_NAME, SSLConfig, load_part
 from engine.codec.dac import pad1d_reflect
 from engine.codec.receptive import context_frames
+from engine.codec.xeus import XeusTokenizer
 
 SSL_SUBDIR = "ssl"
 
@@ -34,31 +36,6 @@ class PaddedConv1d(nn.Conv1d):
         extra = (math.ceil(n_frames) - 1) * stride + (kernel - padding_total) - x.shape[-1]
         right = padding_total // 2
         return super().forward(pad1d_reflect(x, padding_total - right, right + extra))
-
-
-class ClusterTokenizer(nn.Module):
-    """Stream 0: features -> the nearest k-means centroid. A kind gives `features`, `context_frames`
-    and a `centroids` buffer [5000, D]."""
-
-    centroids: torch.Tensor
-
-    @property
-    def device(self) -> torch.device:
-        return self.centroids.device
-
-    def features(self, audio: torch.Tensor) -> torch.Tensor:
-        """audio [B, 1, S] -> [B, D, ceil(S / 320)]."""
-        raise NotImplementedError
-
-    def context_frames(self, hop: int, device: torch.device | str) -> tuple[int, int]:
-        raise NotImplementedError
-
-    def quantize(self, features: torch.Tensor) -> torch.Tensor:
-        return nearest_centroid(features, self.centroids)
-
-    @torch.inference_mode()
-    def tokenize(self, audio: torch.Tensor) -> torch.Tensor:
-        return self.quantize(self.features(audio))
 
 
 class SSLTokenizer(ClusterTokenizer):
@@ -90,15 +67,6 @@ class SSLTokenizer(ClusterTokenizer):
         return load_part(cls, SSLConfig, pathlib.Path(model_dir) / SSL_SUBDIR, "SSL").to(device)
 
 
-def nearest_centroid(features: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """features [B, D, T] -> index of the nearest centroid (Euclidean) [B, T]: the fork's cdist
-    argmin and sklearn's `KMeans.predict`, as one matmul."""
-    b, d, t = features.shape
-    x = features.transpose(1, 2).reshape(b * t, d).to(centroids.dtype)
-    dist = x.pow(2).sum(1, keepdim=True) - 2 * x @ centroids.t() + centroids.pow(2).sum(1)[None, :]
-    return dist.argmin(dim=-1).view(b, t)
-
-
 def ssl_kind(model_dir: pathlib.Path) -> str:
     """The `kind` in `model_dir/ssl/config.json` ("conv" when the file says nothing)."""
     path = pathlib.Path(model_dir) / SSL_SUBDIR / CONFIG_NAME
@@ -117,7 +85,5 @@ def ssl_kind(model_dir: pathlib.Path) -> str:
 def load_ssl(model_dir: pathlib.Path, device: torch.device | str = "cpu") -> ClusterTokenizer:
     """The stream-0 tokenizer of a model directory, whichever kind it ships."""
     if ssl_kind(model_dir) == "xeus":
-        from engine.codec.xeus import XeusTokenizer
-
         return XeusTokenizer.from_dir(pathlib.Path(model_dir) / SSL_SUBDIR, device=device)
     return SSLTokenizer.from_dir(model_dir, device=device)

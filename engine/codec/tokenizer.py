@@ -22,9 +22,9 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from engine.codec.cluster import ClusterTokenizer
 from engine.codec.dac import DAC
 from engine.codec.receptive import context_frames
-from engine.codec.ssl import ClusterTokenizer
 from engine.vocab import HOP_SAMPLES, NUM_CODEBOOKS, frames_to_global
 
 LstmState = tuple[torch.Tensor, torch.Tensor]

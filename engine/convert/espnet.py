@@ -40,7 +40,9 @@ from engine import checkpoint, vocab
 from engine.convert import hub
 from engine.convert.codec import prepare_codec, write_codec
 from engine.convert.errors import ConversionError
+from engine.convert.readers import load_state, read_yaml
 from engine.convert.stream_write import PageDropper, write_safetensors
+from engine.convert.xeus import convert_xeus, xeus_inputs
 
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16"), "fp32": (torch.float32, "float32")}
 TOKENIZER_SUBDIR = "tokenizer"
@@ -93,21 +95,6 @@ class ConversionReport:
 
 
 # --- 1. config.yaml and the token layout ---------------------------------------------------------
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-
-    if not path.is_file():
-        raise ConversionError(f"{path} not found: is {path.parent} an ESPnet experiment directory?")
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the token lists have ~100k entries
-    try:
-        data = yaml.load(path.read_text(), Loader=loader)
-    except yaml.YAMLError as e:
-        raise ConversionError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ConversionError(f"{path}: expected a mapping at the top level")
-    return data
 
 
 def check_token_layout(conf: dict[str, Any], source: str) -> vocab.VocabLayout:
@@ -236,22 +223,6 @@ def find_weights(src_dir: Path) -> Path:
     raise ConversionError(f"several weight files in {src_dir} ({', '.join(p.name for p in found)}); keep one")
 
 
-def load_state(path: Path) -> dict[str, torch.Tensor]:
-    """The state dict, memory-mapped: tensor data is read only when used."""
-    try:
-        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # pickle / zip / weights_only refusals
-        raise ConversionError(f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    if isinstance(obj, dict) and isinstance(obj.get("module"), dict):
-        obj = obj["module"]  # DeepSpeed
-    elif isinstance(obj, dict) and isinstance(obj.get("model"), dict):
-        obj = obj["model"]  # an ESPnet training checkpoint (model, optimizers, reporter, ...)
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        keys = list(obj)[:5] if isinstance(obj, dict) else type(obj).__name__
-        raise ConversionError(f"{path}: not a state dict of tensors (top level: {keys})")
-    return obj
-
-
 def map_lm_key(name: str) -> str | None:
     """ESPnet name -> ours; None when dropped. Raises ConversionError on anything unknown."""
     if name in _EXACT:
@@ -323,8 +294,6 @@ def convert_espnet(
         raise ConversionError(f"--xeus {xeus_dir} is not a directory")
     xeus = Path(xeus_dir) if xeus_dir else (src / "xeus" if (src / "xeus").is_dir() else None)
     if xeus is not None:
-        from engine.convert.xeus import xeus_inputs
-
         xeus_inputs(xeus)  # before anything is written (the contents are checked later)
     if dtype not in DTYPES:
         raise ConversionError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -403,8 +372,6 @@ def find_tokenizer(
 def _ssl_notes(src: Path, out: Path, xeus: Path | None, xeus_layer: int) -> list[str]:
     """The stream-0 tokenizer: XEUS + k-means converted (engine/convert/xeus.py) from `xeus`
     (`--xeus` or `src/xeus`), else our-format `src/ssl/` copied, else a note saying how to add it."""
-    from engine.convert.xeus import convert_xeus
-
     if xeus is not None:
         report = convert_xeus(xeus, out, output_layer=xeus_layer)
         return [

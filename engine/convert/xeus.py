@@ -33,6 +33,7 @@ from engine.codec.config import CONFIG_NAME, WEIGHTS_NAME, save_config
 from engine.codec.ssl import SSL_SUBDIR
 from engine.codec.xeus import XeusConfig, XeusTokenizer
 from engine.convert.errors import ConversionError
+from engine.convert.readers import load_state, read_yaml
 from engine.convert.stream_write import PageDropper, write_safetensors
 from engine.vocab import SSL_SIZE
 
@@ -68,8 +69,6 @@ def convert_xeus(
     right_context_frames: int = XeusConfig.right_context_frames,
 ) -> XeusReport:
     """Write `out_model_dir/ssl/` from an `espnet/xeus` snapshot dir `src` (or explicit files)."""
-    from engine.convert.espnet import load_state, read_yaml
-
     src = Path(src)
     ckpt, km = xeus_inputs(src, checkpoint, kmeans)
     yaml_path = Path(config_yaml) if config_yaml else (src / RELEASE_CONFIG if (src / RELEASE_CONFIG).is_file() else None)

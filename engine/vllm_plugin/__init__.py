@@ -6,13 +6,23 @@ Which vLLM hooks the plugin relies on, and why, is written in engine/README.md.
 
 from __future__ import annotations
 
+from engine.delay import MAX_DELAY
+
 _REGISTERED = False
 SETTINGS_KEY = "opuslm"  # VllmConfig.additional_config[SETTINGS_KEY]: the plugin's settings
+CODEC_LOOKAHEAD_FRAMES = 2  # StreamConfig.lookahead_frames (engine/codec/streaming.py), which the service keeps
 
 
 def plugin_settings(vllm_config) -> dict:
     """What AsyncOpusEngine put in `additional_config` for the engine core (empty if nothing)."""
     return (vllm_config.additional_config or {}).get(SETTINGS_KEY, {})
+
+
+def urgent_tokens(first_chunk_frames: int) -> int:
+    """The `urgent_tokens` setting: output tokens before a realtime response's first audio chunk can
+    be decoded (the delay, the codec's first chunk and its lookahead). Until then the scheduler
+    treats the response as most urgent (time to first audio)."""
+    return MAX_DELAY + first_chunk_frames + CODEC_LOOKAHEAD_FRAMES
 
 
 def register() -> None:

@@ -33,14 +33,13 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from engine.delay import MAX_DELAY
 from engine.request import EXTRA_ARGS_KEY
-from engine.vllm_plugin import plugin_settings
+from engine.service_api import FRAME_MS
+from engine.vllm_plugin import plugin_settings, urgent_tokens
 from engine.vllm_plugin.cfg_pairs import CfgPairsMixin
 
-FRAME_S = 0.020
-# Output tokens before a response's first audio chunk can be decoded: the delay, a 4-frame first
-# chunk and the codec's 2-frame lookahead. Until then a response is as urgent as it gets.
-URGENT_TOKENS = MAX_DELAY + 4 + 2
+FRAME_S = FRAME_MS / 1000.0
 DEFAULT_PACING_LEAD_MS = 500.0
+DEFAULT_URGENT_TOKENS = urgent_tokens(4)  # when the settings do not say: the codec's default 4-frame first chunk
 STEP_TIMING_KEY = "opuslm_step"
 
 
@@ -59,6 +58,8 @@ class OpusScheduler(CfgPairsMixin, Scheduler):
         self.return_sampling_mask = True
         extra = plugin_settings(self.vllm_config)
         self.pacing_lead_s = float(extra.get("pacing_lead_ms", DEFAULT_PACING_LEAD_MS)) / 1000.0
+        # output tokens before a response's first audio chunk can be decoded: until then it is most urgent
+        self.urgent_tokens = int(extra.get("urgent_tokens", DEFAULT_URGENT_TOKENS))
         self._first_frame_at: dict[str, float] = {}  # realtime request -> when frame 0 existed
         self._step_started = time.monotonic()
         self._realtime: dict[str, bool] = {}
@@ -75,7 +76,7 @@ class OpusScheduler(CfgPairsMixin, Scheduler):
         if not self._is_realtime(request):
             return 0.0
         started = self._first_frame_at.get(request.request_id)
-        if started is None or request.num_output_tokens < URGENT_TOKENS:
+        if started is None or request.num_output_tokens < self.urgent_tokens:
             return -math.inf
         return started + (request.num_output_tokens - MAX_DELAY) * FRAME_S - now
 

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from realtime.audio import StreamResampler
 from realtime.client.events import AudioChunk, Event, OutputCleared, ResponseCreated
-
-if TYPE_CHECKING:
-    from realtime.client.connection import DuplexClient
 
 WIRE_RATE_HZ = 24_000  # pcm16 on the wire, and the default output rate
 
@@ -84,10 +81,20 @@ class SimulatedSpeaker:
         return self._parts[0] if self._parts else np.zeros(0, np.int16)
 
 
+class PlaybackClient(Protocol):
+    """What `Player` needs of its client (`DuplexClient` is one): the rate its audio arrives at, and
+    where to acknowledge playback."""
+
+    output_rate_hz: int
+
+    def played(self, played_ms: float, response_id: str | None = None) -> None:
+        """Acknowledge `played_ms` of the response played (output_audio_buffer.played)."""
+
+
 class Player:
     """Plays each answer's audio into a sink and acknowledges how much of it was played."""
 
-    def __init__(self, client: DuplexClient, sink: AudioSink) -> None:
+    def __init__(self, client: PlaybackClient, sink: AudioSink) -> None:
         self.client, self.sink = client, sink
         self.response_id: str | None = None
         self._start: int | None = None  # sink position (played timeline) of the response's first sample

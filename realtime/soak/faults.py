@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from realtime.soak.callers import Script, WebSocketCaller
-from realtime.soak.run import ServerProcess, _tree, health, process_sample, read_metrics, speech_sentences
+from realtime.soak.server_process import ServerProcess, health, process_sample, process_tree, read_metrics
+from realtime.soak.speech import speech_sentences
 
 FAULT_SERVER_CONFIG = {
     "vad": {"silence_duration_ms": 500},
@@ -145,7 +146,7 @@ async def engine_stall(base: str, token: str, speech: np.ndarray, pid: int | Non
     """The engine process frozen (SIGSTOP) for `stall_ms` in the middle of an answer."""
     if pid is None:
         return {"skipped": "needs a server started by this run"}
-    engine = [p for p in _tree(pid) if p != pid and b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    engine = [p for p in process_tree(pid) if p != pid and b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()]
     if not engine:
         return {"skipped": "no separate engine process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"}
     ws = await _ws(base, token)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from rt_helpers import silence
 
-from realtime.soak.run import ServerProcess
+from realtime.soak.server_process import ServerProcess
 
 pytestmark = pytest.mark.vllm
 

@@ -1,0 +1,115 @@
+"""The server under a soak or fault run: `duplex serve` started and stopped (`ServerProcess`), and
+its probes: /healthz, /metrics, and the RSS and open file descriptors of its process tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.request
+from pathlib import Path
+
+
+class ServerProcess:
+    """`duplex serve` started for this run (port chosen by the OS)."""
+
+    def __init__(self, config: dict, token: str) -> None:
+        import yaml
+
+        self.dir = Path(tempfile.mkdtemp(prefix="duplex-soak-"))
+        (self.dir / "server.yaml").write_text(yaml.safe_dump(config))
+        duplex = Path(sys.executable).parent / "duplex"
+        self.proc = subprocess.Popen([str(duplex), "serve", "--config", str(self.dir / "server.yaml"), "--port", "0", f"--token={token}"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log_path = self.dir / "server.log"
+        self.base: str | None = None
+        ready = threading.Event()
+
+        def pump() -> None:
+            with open(self.log_path, "w") as log:
+                for line in self.proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    if "demo page:" in line and self.base is None:
+                        self.base = line.split("demo page:")[1].strip().split("/?")[0]
+                        ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(300) or self.base is None:
+            self.stop()
+            raise RuntimeError(f"duplex serve did not start (log: {self.log_path}):\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "".join(self.log_path.read_text().splitlines(keepends=True)[-lines:])
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> int | None:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return None
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants (the gateway and vLLM's engine-core process)."""
+    children: dict[int, list[int]] = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(p))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def process_sample(pid: int) -> dict:
+    def rss_mib(p: int) -> float:
+        for line in Path(f"/proc/{p}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+        return 0.0
+
+    try:
+        tree = process_tree(pid)
+        return {"rss_mib": rss_mib(pid), "rss_tree_mib": sum(rss_mib(p) for p in tree if Path(f"/proc/{p}").exists()),
+                "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    except OSError:
+        return {}
+
+
+def read_metrics(base: str, token: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels}: value} (our counters only)."""
+    req = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("duplex_") and not line.startswith("#"):
+            m = re.match(r"(\S+)\s+(\S+)$", line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def health(base: str) -> dict:
+    try:
+        with urllib.request.urlopen(base + "/healthz", timeout=5) as r:
+            return json.loads(r.read())
+    except Exception as e:  # the server may be down: that is the finding
+        return {"ready": False, "detail": str(e)}
