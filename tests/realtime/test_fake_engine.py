@@ -33,6 +33,13 @@ def user_turn(conv, ms: int) -> None:
     conv.end_user_turn()
 
 
+def answering(eng: FakeEngine, user_ms: int):
+    """Conversation "s1" after a user turn of `user_ms`, and the handle of its answer "r1"."""
+    conv = eng.open_conversation("s1")
+    user_turn(conv, user_ms)
+    return conv, conv.respond("r1")
+
+
 def test_a_full_answer_is_the_known_audio_in_order_and_the_history_keeps_it():
     async def main():
         eng = FakeEngine(answer_ms=500, chunk_ms=80, text="hello there friend")
@@ -72,9 +79,7 @@ def test_answers_differ_per_conversation_and_response():
 def test_cancel_before_start_never_starts():
     async def main():
         eng = FakeEngine(answer_ms=400, step_s=0.01)
-        conv = eng.open_conversation("s1")
-        user_turn(conv, 200)
-        h = conv.respond("r1")
+        conv, h = answering(eng, user_ms=200)
         h.cancel(0)
         assert await collect(h) == []
         await h.wait_ended()
@@ -88,9 +93,7 @@ def test_cancel_before_start_never_starts():
 def test_cancel_midway_ends_chunks_without_is_last_and_history_keeps_played_ms():
     async def main():
         eng = FakeEngine(answer_ms=2000, chunk_ms=80, step_s=0.005)
-        conv = eng.open_conversation("s1")
-        user_turn(conv, 300)
-        h = conv.respond("r1")
+        conv, h = answering(eng, user_ms=300)
         got = []
         async for c in h.chunks():
             got.append(c)
@@ -134,9 +137,7 @@ def test_no_chunk_is_yielded_after_cancel_even_if_queued():
 def test_truncate_and_cancel_after_completion_cut_the_latest_answer_only():
     async def main():
         eng = FakeEngine(answer_ms=600)
-        conv = eng.open_conversation("s1")
-        user_turn(conv, 100)
-        h = conv.respond("r1")
+        conv, h = answering(eng, user_ms=100)
         await collect(h)
         await h.wait_ended()
         assert conv.history[-1] == HistoryTurn(Role.ASSISTANT, 30)
@@ -228,9 +229,7 @@ def test_capacity_refusal_and_load():
 def test_failure_injection_raises_engine_error_from_chunks():
     async def main():
         eng = FakeEngine(answer_ms=1000, chunk_ms=80, fail_after_chunks=3)
-        conv = eng.open_conversation("s1")
-        user_turn(conv, 100)
-        h = conv.respond("r1")
+        conv, h = answering(eng, user_ms=100)
         got = []
         with pytest.raises(EngineError) as e:
             async for c in h.chunks():
@@ -247,9 +246,7 @@ def test_failure_injection_raises_engine_error_from_chunks():
 def test_close_is_idempotent_cancels_and_refuses_later_calls():
     async def main():
         eng = FakeEngine(answer_ms=5000, step_s=0.01)
-        conv = eng.open_conversation("s1")
-        user_turn(conv, 100)
-        h = conv.respond("r1")
+        conv, h = answering(eng, user_ms=100)
         await asyncio.sleep(0.035)
         await conv.close()
         await conv.close()

@@ -50,6 +50,14 @@ def new_session(vad: VadParams | None = VAD, lead_ms: float = LEAD_MS, frame_ms:
     return Session("sess_test", vad, SessionLimits(output_frame_ms=frame_ms, lead_ms=lead_ms, **limits))
 
 
+def manual_turn_answered() -> tuple[Session, "Rec", float, str]:
+    """A client-committed turn of 200 ms of silence and a response created for it."""
+    s, rec = new_session(vad=None), Rec()
+    now = feed_audio(s, silence(200), T0, rec)
+    commit(s, now, rec)
+    return s, rec, now, create_response(s, now, rec)
+
+
 @dataclass
 class Rec:
     """Everything the session put out, with the simulated time it came out at."""
@@ -265,11 +273,8 @@ def test_manual_buffer_is_bounded():
 
 
 def test_pacing_releases_no_faster_than_real_time_plus_lead_then_completes():
-    s, rec = new_session(vad=None), Rec()
-    now = feed_audio(s, silence(200), T0, rec)
-    commit(s, now, rec)
+    s, rec, now, rid = manual_turn_answered()
     turn_end = now
-    rid = create_response(s, now, rec)
     audio = answer(1000)
     t_engine = now + 0.05
     for k in range(0, audio.size, 1280):  # the engine's 80 ms chunks all arrive at once, ahead of time
@@ -304,10 +309,7 @@ def test_pacing_releases_no_faster_than_real_time_plus_lead_then_completes():
 
 
 def test_pacing_waits_for_a_slow_engine_and_reanchors():
-    s, rec = new_session(vad=None), Rec()
-    now = feed_audio(s, silence(200), T0, rec)
-    commit(s, now, rec)
-    rid = create_response(s, now, rec)
+    s, rec, now, rid = manual_turn_answered()
     audio = answer(400)
     engine_chunk(s, rid, audio[:1600], now, rec)  # 100 ms, then the engine stalls
     assert poll(s, now, rec) is None  # all sent (100 ms < lead): nothing due, waiting for the engine
@@ -408,10 +410,7 @@ def test_client_cancel_without_acks_uses_the_schedule():
 
 
 def test_truncate_errors_and_cuts():
-    s, rec = new_session(vad=None), Rec()
-    now = feed_audio(s, silence(200), T0, rec)
-    commit(s, now, rec)
-    rid = create_response(s, now, rec)
+    s, rec, now, rid = manual_turn_answered()
     item = rec.of(ResponseCreated)[0].item_id
     engine_chunk(s, rid, answer(400), now, rec, is_last=True)
     now = run_clock(s, now, 0.1, rec)  # 100 ms of schedule: frames starting up to 250 ms -> 280 ms sent
@@ -435,10 +434,7 @@ def test_truncate_errors_and_cuts():
 
 
 def test_truncate_after_completion_recuts_the_engine_turn_and_only_the_latest_item():
-    s, rec = new_session(vad=None), Rec()
-    now = feed_audio(s, silence(200), T0, rec)
-    commit(s, now, rec)
-    rid = create_response(s, now, rec)
+    s, rec, now, rid = manual_turn_answered()
     item = rec.of(ResponseCreated)[0].item_id
     engine_chunk(s, rid, answer(400), now, rec, is_last=True)
     now = run_clock(s, now, 1.0, rec)
@@ -460,10 +456,7 @@ def test_truncate_after_completion_recuts_the_engine_turn_and_only_the_latest_it
 
 
 def test_engine_error_fails_the_response():
-    s, rec = new_session(vad=None), Rec()
-    now = feed_audio(s, silence(200), T0, rec)
-    commit(s, now, rec)
-    rid = create_response(s, now, rec)
+    s, rec, now, rid = manual_turn_answered()
     engine_chunk(s, rid, answer(1000), now, rec)
     now = run_clock(s, now, 0.2, rec, step_s=0.02)
     t_first = rec.timed(ResponseAudio)[0][0]
@@ -481,10 +474,7 @@ def test_engine_error_fails_the_response():
 
 
 def test_late_chunks_are_counted():
-    s, rec = new_session(vad=None), Rec()
-    now = feed_audio(s, silence(200), T0, rec)
-    commit(s, now, rec)
-    rid = create_response(s, now, rec)
+    s, rec, now, rid = manual_turn_answered()
     engine_chunk(s, rid, answer(80), now, rec, deadline=now + 0.1)  # in time
     engine_chunk(s, rid, answer(80), now, rec, deadline=None)  # no deadline
     engine_chunk(s, rid, answer(80), now + 0.3, rec, deadline=now + 0.2)  # late
