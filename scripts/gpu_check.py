@@ -66,7 +66,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, iters: int = 20) -> 
 
 def check_graph(model_dir: pathlib.Path, device: torch.device, padded: int = 64, replays: int = 4) -> dict:
     """Capture opus_forward once, replay with new input ids and aux buffer contents; each replay
-    must equal an eager forward on the same contents (same kernels: exactly)."""
+    must equal an eager forward on the same contents, and differ from the previous replay."""
     from engine.prompt import synthetic_prompt
     from engine.reference import ReferenceBackbone, ReferenceOpusLM
     from engine.vllm_plugin.aux_inputs import AuxInputs, opus_forward
@@ -105,8 +105,11 @@ def check_graph(model_dir: pathlib.Path, device: torch.device, padded: int = 64,
             diffs.append(float((out - want).abs().max()))
             changed.append(prev is None or not torch.equal(out, prev))
             prev = out.clone()
-    ok = all(d == 0.0 for d in diffs) and all(changed)
-    return {"ok": ok, "max_abs_diff_per_replay": diffs, "outputs_changed": all(changed)}
+    # A stale buffer read would be off by O(1); the same kernels give exactly 0 (reported), and
+    # a different cuBLAS algorithm under capture would give rounding-size differences only.
+    ok = all(d <= 1e-4 for d in diffs) and all(changed)
+    return {"ok": ok, "exact": all(d == 0.0 for d in diffs), "max_abs_diff_per_replay": diffs,
+            "outputs_changed": all(changed)}
 
 
 # --- codec --------------------------------------------------------------------------------------
@@ -258,6 +261,8 @@ def check_reference(model_dir: pathlib.Path, device: torch.device, frames: int =
 
 def additions_cost(device: torch.device, batches: list[int], dtype: torch.dtype = torch.bfloat16) -> dict:
     """ms per step of what OpusLM adds to a plain Llama step, at the released models' shapes."""
+    from engine.vllm_plugin.aux_inputs import aux_embedding_sum
+
     out = {}
     gen = torch.Generator(device=device).manual_seed(0)
     for name, hidden, vsize in SHAPES:
@@ -273,7 +278,7 @@ def additions_cost(device: torch.device, batches: list[int], dtype: torch.dtype 
             scale = torch.full((b,), 1.5, device=device)
             with torch.inference_mode():
                 rows[b] = {
-                    "aux_embedding": time_ms(lambda: torch.nn.functional.embedding_bag(aux, table, mode="sum"), device),
+                    "aux_embedding": time_ms(lambda: aux_embedding_sum(table, aux), device),
                     "audio_rows_head": time_ms(lambda: heads.project(h, lm_head, bias), device),
                     "full_lm_head (for scale)": time_ms(lambda: torch.nn.functional.linear(h, lm_head), device),
                     "aux_sampling_topk30": time_ms(lambda: sample_rows(heads.aux_logits(logits), cfg, [None] * b), device),

@@ -11,6 +11,7 @@ vLLM's sequence is stream 0. In every forward:
      feed the next step's embedding and leave with this step's output.
 
 The runner (runner.py) tells the model which request each row is before the forward.
+Tensor parallelism is not supported (the heads slice the full lm_head).
 
 What runs where, and why: `forward` is the part vLLM captures (CUDA graphs for decode batches,
 torch.compile) -- pure tensor ops on its arguments and `aux_inputs.ids`. `compute_logits` is
@@ -21,7 +22,6 @@ top-p and seeded generators, numpy on a CPU) and the CFG merge (which rows pair 
 step). Those are per-row, not per-token, costs, and the host needs the sampled aux ids anyway to
 record history and return them; freezing them into a graph would buy nothing and replay stale
 pairings.
-Tensor parallelism is not supported (the heads slice the full lm_head).
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def test_compiled_forward_is_one_graph_and_replays_new_buffer_contents(ref) -> N
         rows = synthetic_prompt(i, 30)[:PADDED]
         n = _stage(rows, input_ids, aux)
         got = compiled(input_ids, positions)
-        want = fwd(input_ids, positions)  # eager: on a CPU the numpy gather-and-sum
+        want = fwd(input_ids, positions)  # eager
         assert torch.equal(got, want), f"replay {i}: compiled != eager"
         # the meaning of the contract: the summed 9-stream embedding of the rows, then the layers
         oracle = ref.forward(ref.embed(rows), 0, _KVCache(ref.cfg.num_hidden_layers))
