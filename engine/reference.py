@@ -34,22 +34,25 @@ class _KVCache:
 
 
 class ReferenceOpusLM:
-    def __init__(self, cfg: checkpoint.OpusLMConfig, weights: dict[str, torch.Tensor], device: str = "cpu"):
+    def __init__(self, cfg: checkpoint.OpusLMConfig, weights: dict[str, torch.Tensor], device: str = "cpu",
+                 dtype: torch.dtype = torch.float32):
         self.cfg = cfg
         self.device = torch.device(device)
         missing = set(checkpoint.expected_weight_shapes(cfg)) - set(weights)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
-        self.w = {k: v.to(self.device, torch.float32) for k, v in weights.items()}
+        # float32 is the oracle; another dtype (bf16 on a GPU: scripts/gpu_check.py) runs the
+        # same ops in it, with RoPE angles and the heads' bias still computed in float
+        self.w = {k: v.to(self.device, dtype) for k, v in weights.items()}
         d = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         self._inv_freq = inv_freq.to(self.device)
         self._head_bias = heads.stream_bias(self.w["lm_head.weight"], self.w["head_emb.weight"])
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, device: str = "cpu") -> "ReferenceOpusLM":
+    def from_dir(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "ReferenceOpusLM":
         cfg = checkpoint.load_config(model_dir)
-        return cls(cfg, load_file(str(checkpoint.weights_path(model_dir))), device)
+        return cls(cfg, load_file(str(checkpoint.weights_path(model_dir))), device, dtype)
 
     # --- backbone ------------------------------------------------------------------------------
 
@@ -65,8 +68,8 @@ class ReferenceOpusLM:
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [T, heads, d]; neox style (rotate halves), as HF Llama and vLLM do
         freqs = positions[:, None].double() * self._inv_freq[None, :]
-        cos = freqs.cos().float()[:, None, :]
-        sin = freqs.sin().float()[:, None, :]
+        cos = freqs.cos().to(x.dtype)[:, None, :]
+        sin = freqs.sin().to(x.dtype)[:, None, :]
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -176,6 +179,28 @@ class ReferenceOpusLM:
             hs = [self.forward(x, prompt.shape[0] + s, c) for c in caches]
         steps_arr = np.stack(steps).astype(np.int64)
         return Generation(steps=steps_arr, frames=frames_from_steps(steps_arr))
+
+
+class ReferenceBackbone(torch.nn.Module):
+    """The reference's Llama layers behind vLLM's backbone interface (`aux_inputs.Backbone`):
+    `(None, positions, None, inputs_embeds) -> hidden`, stateless (a fresh KV cache per call).
+
+    A plain-torch stand-in for vLLM's LlamaModel, so the OpusLM forward contract
+    (`vllm_plugin.aux_inputs.opus_forward`) can be compiled and CUDA-graph captured without vLLM
+    (tests/engine/test_graph_safety.py, scripts/gpu_check.py). The tokens are one sequence at
+    positions 0..T-1 (the causal mask is by index); trailing padding tokens change no real row.
+    """
+
+    def __init__(self, ref: ReferenceOpusLM) -> None:
+        super().__init__()
+        self.ref = ref
+        self.embed_tokens = torch.nn.Embedding.from_pretrained(ref.w["model.embed_tokens.weight"], freeze=True)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions: torch.Tensor, intermediate_tensors, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return self.ref.forward(inputs_embeds, 0, _KVCache(self.ref.cfg.num_hidden_layers))
 
 
 def frames_from_steps(steps: np.ndarray) -> np.ndarray:

