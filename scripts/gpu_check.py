@@ -285,7 +285,7 @@ def additions_cost(device: torch.device, batches: list[int], dtype: torch.dtype 
                     "cfg_merge": time_ms(lambda: guidance.merge(h.float(), h.float(), scale), device),
                 }
         out[name] = rows
-        del table, lm_head
+        table = lm_head = None  # free both before the next shape allocates its own
     return out
 
 
