@@ -21,28 +21,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from engine.codec.dac import DAC  # noqa: E402
 from engine.codec.ssl import load_ssl  # noqa: E402
-from engine.codec.streaming import DecoderState, StreamConfig, StreamingDecoder  # noqa: E402
+from engine.codec.streaming import StreamConfig, StreamingDecoder, lockstep_decode_seconds  # noqa: E402
 from engine.codec.synth import speech_like  # noqa: E402
 from engine.codec.tiny import make_tiny_codec  # noqa: E402
 from engine.codec.tokenizer import AudioTokenizer  # noqa: E402
 from engine.vocab import HOP_SAMPLES, SAMPLE_RATE_HZ  # noqa: E402
-
-
-def _streamed_s(decoder: StreamingDecoder, codes: np.ndarray, batch: int) -> float:
-    """Decode `batch` sessions of the same codes in lockstep, as the stage would batch them."""
-    states = [DecoderState.new() for _ in range(batch)]
-    elapsed = 0.0
-    for t in range(len(codes)):
-        for s in states:
-            decoder.push(s, codes[t : t + 1])
-            if t == len(codes) - 1:
-                decoder.finish(s)
-        while any(decoder.due_frames(s) or (s.finished and not s.done) for s in states):
-            due = [s for s in states if decoder.due_frames(s) or (s.finished and not s.done)]
-            start = time.perf_counter()
-            decoder.decode(due)
-            elapsed += time.perf_counter() - start
-    return elapsed
 
 
 def _offline_s(dac: DAC, codes: np.ndarray, batch: int) -> float:
@@ -87,10 +70,10 @@ def main() -> int:
     print(f"codec {dac.cfg.encdec_n_filters} filters, hidden {dac.cfg.hidden_dim}; {audio_s:.2f} s per "
           f"session; threads={args.threads}; stream {cfg}")
     print(f"{'batch':>5} {'streamed RTF/session':>21} {'offline RTF/session':>20} {'overhead':>9}")
-    _streamed_s(decoder, codes[:20], 1)  # warm-up
+    lockstep_decode_seconds(decoder, codes[:20], 1)  # warm-up
     streamed_rtf = 0.0
     for batch in [int(b) for b in args.batches.split(",")]:
-        streamed_rtf = _streamed_s(decoder, codes, batch) / (audio_s * batch)
+        streamed_rtf = lockstep_decode_seconds(decoder, codes, batch) / (audio_s * batch)
         offline_rtf = _offline_s(dac, codes, batch) / (audio_s * batch)
         print(f"{batch:>5} {streamed_rtf:>21.4f} {offline_rtf:>20.4f} {streamed_rtf / offline_rtf:>8.2f}x")
     tok = AudioTokenizer(dac, ssl)

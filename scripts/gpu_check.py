@@ -141,7 +141,7 @@ def check_codec(dac, device: torch.device, seconds: float = 4.0) -> dict:
 
 def stream_rtf(dac, device: torch.device, batches: list[int], seconds: float = 4.0) -> dict:
     """Streaming decode RTF per session (compute s / audio s) with `batch` sessions in lockstep."""
-    from engine.codec.streaming import DecoderState, StreamingDecoder
+    from engine.codec.streaming import StreamingDecoder, lockstep_decode_seconds
     from engine.codec.synth import speech_like
 
     dac = dac.to(device)
@@ -150,20 +150,7 @@ def stream_rtf(dac, device: torch.device, batches: list[int], seconds: float = 4
     decoder = StreamingDecoder(dac)
     out = {}
     for batch in batches:
-        states = [DecoderState.new() for _ in range(batch)]
-        elapsed = 0.0
-        for t in range(len(codes)):
-            for s in states:
-                decoder.push(s, codes[t : t + 1])
-                if t == len(codes) - 1:
-                    decoder.finish(s)
-            while any(decoder.due_frames(s) or (s.finished and not s.done) for s in states):
-                due = [s for s in states if decoder.due_frames(s) or (s.finished and not s.done)]
-                _sync(device)
-                t0 = time.perf_counter()
-                decoder.decode(due)
-                _sync(device)
-                elapsed += time.perf_counter() - t0
+        elapsed = lockstep_decode_seconds(decoder, codes, batch, sync=lambda: _sync(device))
         rtf = elapsed / (audio_s * batch)
         out[batch] = {"rtf_per_session": rtf, "batch_rtf": elapsed / audio_s}
     dac.to("cpu")

@@ -20,6 +20,7 @@ offline decode does. A chunk larger than the whole utterance therefore decodes i
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -273,6 +274,28 @@ def decode_streamed(
     while not state.done:
         pieces += decoder.decode([state])
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+
+
+def lockstep_decode_seconds(decoder: StreamingDecoder, codes: np.ndarray, batch: int, sync=None) -> float:
+    """Decode `batch` sessions of the same local codes [T, 8] in lockstep, frame by frame, as the
+    codec stage batches them; returns the seconds spent in `decode` (benchmarks). `sync()` runs
+    around each timed call (a CUDA device: torch.cuda.synchronize, so queued kernels are counted)."""
+    states = [DecoderState.new() for _ in range(batch)]
+    elapsed = 0.0
+    for t in range(len(codes)):
+        for s in states:
+            decoder.push(s, codes[t : t + 1])
+            if t == len(codes) - 1:
+                decoder.finish(s)
+        while due := [s for s in states if decoder.due_frames(s) or (s.finished and not s.done)]:
+            if sync is not None:
+                sync()
+            start = time.perf_counter()
+            decoder.decode(due)
+            if sync is not None:
+                sync()
+            elapsed += time.perf_counter() - start
+    return elapsed
 
 
 def snr_db(reference: np.ndarray, estimate: np.ndarray) -> float:
