@@ -10,7 +10,8 @@ test can tell exactly which samples of which answer reached the client.
 
 Pacing is a step clock: one asyncio task per response produces a chunk of `chunk_ms` every `step_s`
 seconds of wall time (0: one event-loop turn per chunk), `answer_ms` in all; `fail_after_chunks=N`
-makes the response fail (an `EngineError` from `chunks()`) after N chunks.
+makes the response fail (an `EngineError` from `chunks()`) after N chunks (`AnswerPlan`: the engine's,
+copied by each conversation, fixed by each response at `respond()`).
 
 Semantics, from the docstrings of service_api.py, plus the fake's own definite choices:
 - `respond()` returns at once (call it on a running event loop: it starts the response's task);
@@ -73,6 +74,18 @@ def ms_to_samples(ms: float) -> int:
     return int(round(ms * SAMPLES_PER_MS))
 
 
+@dataclass(frozen=True)
+class AnswerPlan:
+    """How the fake generates an answer: its length, pacing and failure."""
+
+    answer_ms: float = 1000.0
+    chunk_ms: float = 80.0
+    step_s: float = 0.0  # wall time per chunk (0: one event-loop turn)
+    fail_after_chunks: int | None = None
+    deadline_offset_s: float = 0.5  # chunk deadline = first step + start_ms + this
+    text: str = ""  # the answers' transcript: one word per chunk, the rest on the last
+
+
 class InjectedFailure(EngineError):
     """The failure `fail_after_chunks` injects (code: engine_error)."""
 
@@ -110,13 +123,7 @@ class FakeResponseHandle:
         self.generated_samples = 0
         self.error: EngineError | None = None
         self.started_at: float | None = None  # time.monotonic() of the first step
-        # parameters, fixed at respond()
-        self.answer_ms = conv.answer_ms
-        self.chunk_ms = conv.chunk_ms
-        self.step_s = conv.step_s
-        self.fail_after_chunks = conv.fail_after_chunks
-        self.deadline_offset_s = conv.deadline_offset_s
-        self.text = conv.text
+        self.plan = conv.plan  # fixed at respond()
         self._cap_frames: int | None = None  # the smallest cut so far (played_ms // 20)
         self._turn = _Turn(Role.ASSISTANT, 0, done=False)
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -172,7 +179,7 @@ class FakeResponseHandle:
     def expected_pcm(self, start_ms: float = 0.0, duration_ms: float | None = None) -> np.ndarray:
         """The audio this answer has (or would have) at [start_ms, start_ms + duration_ms)."""
         start = ms_to_samples(start_ms)
-        end = ms_to_samples(self.answer_ms) if duration_ms is None else start + ms_to_samples(duration_ms)
+        end = ms_to_samples(self.plan.answer_ms) if duration_ms is None else start + ms_to_samples(duration_ms)
         return answer_pcm(self.conv.index, self.index, start, end - start)
 
     # ---- internals ----
@@ -195,15 +202,15 @@ class FakeResponseHandle:
                 return
             self.started, self.status = True, "generating"
             self.started_at = time.monotonic()
-            total = ms_to_samples(self.answer_ms)
-            per_chunk = max(1, ms_to_samples(self.chunk_ms))
-            words = self.text.split()
+            total = ms_to_samples(self.plan.answer_ms)
+            per_chunk = max(1, ms_to_samples(self.plan.chunk_ms))
+            words = self.plan.text.split()
             k = 0
             while self.generated_samples < total:
-                await asyncio.sleep(self.step_s)  # one engine step (0: one loop turn)
+                await asyncio.sleep(self.plan.step_s)  # one engine step (0: one loop turn)
                 if self.cancelled:
                     break
-                if self.fail_after_chunks is not None and k >= self.fail_after_chunks:
+                if self.plan.fail_after_chunks is not None and k >= self.plan.fail_after_chunks:
                     raise InjectedFailure(f"injected failure after {k} chunks of response {self.id}")
                 start = self.generated_samples
                 n = min(per_chunk, total - start)
@@ -216,7 +223,7 @@ class FakeResponseHandle:
                     pcm=answer_pcm(self.conv.index, self.index, start, n),
                     start_ms=start / SAMPLES_PER_MS,
                     duration_ms=n / SAMPLES_PER_MS,
-                    deadline=self.started_at + start / SAMPLE_RATE_HZ + self.deadline_offset_s,
+                    deadline=self.started_at + start / SAMPLE_RATE_HZ + self.plan.deadline_offset_s,
                     text_delta=text,
                     is_last=is_last,
                 )
@@ -243,13 +250,7 @@ class FakeConversation:
         self.index = index  # order of opening in its engine: part of the answers' audio
         self.engine = engine
         self.options = options
-        # pacing and failure, copied from the engine; set them on the conversation before respond()
-        self.answer_ms = engine.answer_ms
-        self.chunk_ms = engine.chunk_ms
-        self.step_s = engine.step_s
-        self.fail_after_chunks = engine.fail_after_chunks
-        self.deadline_offset_s = engine.deadline_offset_s
-        self.text = engine.text
+        self.plan = engine.plan  # replace it (dataclasses.replace) before respond() to change the next answer
         # records
         self.calls: list[tuple] = []  # every call, in order: ("push", n) ("end_turn",) ("respond", id) ...
         self.user_turns: list[list[np.ndarray]] = []  # audio pushed, per user turn
@@ -371,12 +372,7 @@ class FakeEngine:
     def __init__(self, capacity: int = 4, *, answer_ms: float = 1000.0, chunk_ms: float = 80.0, step_s: float = 0.0,
                  fail_after_chunks: int | None = None, deadline_offset_s: float = 0.5, text: str = "") -> None:
         self.capacity = capacity
-        self.answer_ms = answer_ms
-        self.chunk_ms = chunk_ms
-        self.step_s = step_s
-        self.fail_after_chunks = fail_after_chunks
-        self.deadline_offset_s = deadline_offset_s  # chunk deadline = first step + start_ms + this
-        self.text = text  # the answers' transcript: one word per chunk, the rest on the last
+        self.plan = AnswerPlan(answer_ms, chunk_ms, step_s, fail_after_chunks, deadline_offset_s, text)
         self.ready = True
         self.conversations: dict[str, FakeConversation] = {}  # open
         self.opened: list[FakeConversation] = []  # every conversation ever opened, in order
@@ -407,7 +403,7 @@ class FakeEngine:
     def load(self) -> EngineLoad:
         responding = sum(c.responding for c in self.conversations.values())
         return EngineLoad(conversations=len(self.conversations), responding=responding, capacity=self.capacity,
-                          step_ms=1000.0 * self.step_s, batch_size=float(responding))
+                          step_ms=1000.0 * self.plan.step_s, batch_size=float(responding))
 
     async def shutdown(self) -> None:
         self.shutdown_calls += 1

@@ -13,6 +13,7 @@ positions, not on the clock). Answers are paced at real time, so the tests keep 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import base64
 import json
 import time
@@ -334,7 +335,7 @@ def test_barge_in_truncates_at_the_playback_cursor():
         await until(lambda: sum(map(delta_ms, link.deltas())) >= 600, "600 ms of answer sent")
         rid = link.of("response.created")[0]["response"]["id"]
         handle = conv.handles[0]
-        conv.answer_ms = 300  # the answer to the interruption
+        conv.plan = dataclasses.replace(conv.plan, answer_ms=300)  # the answer to the interruption
         link.feed(*appends(np.concatenate([speech16(1.0, seed=5), silence16(700)])))
         await until(lambda: len(link.of("response.done")) == 2, "the second answer done", timeout=6)
         types = link.types()
@@ -384,7 +385,7 @@ def test_client_cancel_then_truncate_after_completion():
         link.feed({"type": "response.create"})
         await until(lambda: sum(map(delta_ms, link.deltas())) >= 300, "300 ms of answer sent")
         rid1 = link.of("response.created")[0]["response"]["id"]
-        conv.answer_ms = 400
+        conv.plan = dataclasses.replace(conv.plan, answer_ms=400)
         link.feed({"type": "response.cancel", "event_id": "ev_cancel"})
         await until(lambda: link.of("response.done"), "response.done (cancelled)")
         done1 = link.of("response.done")[0]["response"]
@@ -442,7 +443,7 @@ def test_engine_failure_fails_the_response_and_the_session_goes_on():
         assert done1["id"] == rid1 and done1["status"] == "failed"
         assert done1["status_details"] == {"type": "failed", "reason": "engine_error"}
         assert conv.handles[0].status == "failed"
-        conv.fail_after_chunks = None
+        conv.plan = dataclasses.replace(conv.plan, fail_after_chunks=None)
         link.feed({"type": "response.create"})
         await until(lambda: len(link.of("response.done")) == 2, "the second response.done")
         done2 = link.of("response.done")[1]["response"]
@@ -642,7 +643,7 @@ def test_resume_past_the_replay_buffer_ends_the_answer_cleanly():
         assert h.cancels == [pytest.approx(done["duplex"]["played_ms"], abs=0.1)]
         assert h.cancels[0] <= done["duplex"]["audio_ms"]
         # the session goes on: a new answer on B
-        rig.conv(runner).answer_ms = 300
+        rig.conv(runner).plan = dataclasses.replace(rig.conv(runner).plan, answer_ms=300)
         b.feed({"type": "response.create"})
         await until(lambda: len(b.of("response.done")) == 2, "the second response.done")
         assert b.of("response.done")[1]["response"]["status"] == "completed"
