@@ -297,10 +297,6 @@ class SessionRunner:
         """Transport audio (int16, 16 kHz) for the session; False when the client lane is full (frame dropped)."""
         return self.inbox.put_client_nowait(TransportAudio(pcm))
 
-    def wake(self) -> None:
-        """Make the loop run now (a transport's state changed, e.g. its playback cursor)."""
-        self.inbox.wake()
-
     async def _reader(self, link: Link) -> None:
         try:
             async for message in link.messages():

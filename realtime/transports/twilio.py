@@ -20,7 +20,6 @@ import secrets
 import time
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode
 
 from websockets.asyncio.server import ServerConnection
@@ -28,6 +27,7 @@ from websockets.exceptions import ConnectionClosed
 
 from engine.service_api import AtCapacity
 from realtime.http import HttpReply, HttpRequest, HttpRoute, WsRoute
+from realtime.transports.context import TransportContext
 from realtime.transports.websocket import CLOSE_TRY_AGAIN, WebSocketLink
 from realtime.twilio_protocol import (
     FRAME_MS,
@@ -38,8 +38,6 @@ from realtime.twilio_protocol import (
     stream_url,
 )
 
-if TYPE_CHECKING:
-    from realtime.transports.context import TransportContext
 
 log = logging.getLogger("duplex.twilio")
 

@@ -28,7 +28,6 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from http import HTTPStatus
-from typing import TYPE_CHECKING
 
 import aioice.ice
 import numpy as np
@@ -42,10 +41,9 @@ from realtime.http import HttpReply, HttpRequest, HttpRoute, json_error
 from realtime.metrics import GatewayMetrics
 from realtime.runner import SessionRunner
 from realtime.session import RATE_HZ
+from realtime.transports.context import TransportContext
 from realtime.transports.websocket import realtime_protocol
 
-if TYPE_CHECKING:
-    from realtime.transports.context import TransportContext
 
 log = logging.getLogger("duplex.webrtc")
 

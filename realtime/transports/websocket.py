@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
@@ -24,9 +23,8 @@ from realtime.http import WsRoute
 from realtime.protocol import OpusOutput, ProtocolLimits, RealtimeProtocol, ResumeOffer, SessionSettings
 from realtime.resume import ResumeRefused, new_resume_token
 from realtime.session import Session
+from realtime.transports.context import TransportContext
 
-if TYPE_CHECKING:
-    from realtime.transports.context import TransportContext
 
 NAME = "websocket"
 PATH = "/v1/realtime"
