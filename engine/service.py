@@ -153,9 +153,6 @@ class Response:
         self.cached_tokens = 0  # prompt positions served from the prefix cache
         self.delivered = asyncio.Event()  # the last chunk, the failure or the cancel reached the queue
 
-    def num_frames(self) -> int:
-        return sum(len(f) for f in self.frames)
-
     async def chunks(self) -> AsyncIterator[AudioChunk]:
         """Ends once the answer's turn is in the history, so the next prompt is known when it does."""
         while True:
