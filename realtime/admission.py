@@ -12,11 +12,11 @@ opening) counts against the cap. `run` runs it, then frees its conversation and 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 from engine.service_api import AtCapacity, EngineLike
 from realtime.config import ServerConfig
+from realtime.credentials import same_secret
 from realtime.link import Link
 from realtime.messages import CloseReason
 from realtime.metrics import GatewayMetrics
@@ -101,7 +101,7 @@ class Admission:
 
     def find_resumable(self, token: str) -> SessionRunner | None:
         return next((r for r in list(self.sessions.values())
-                     if r.resume_token is not None and hmac.compare_digest(r.resume_token, token)), None)
+                     if r.resume_token is not None and same_secret(token, r.resume_token)), None)
 
     async def stop(self) -> None:
         """Tell every session the server is going away and wait for them to close."""

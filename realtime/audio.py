@@ -192,6 +192,8 @@ class OpusDecoder:
         self._decode = opuslib.api.decoder.libopus_decode
 
     def decode(self, payload: bytes) -> np.ndarray:
+        if not payload:  # libopus would conceal a "lost" packet: up to 120 ms of audio from nothing
+            raise AudioFormatError("empty Opus packet")
         n = self._decode(self._state.decoder_state, payload, len(payload), self._ptr, self._max, 0)
         if n < 0:
             import opuslib.api.info

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
 from engine.service_api import ConversationOptions
+from realtime.input_budget import InputLimits
 from realtime.vad import VadParams
 
 
@@ -43,6 +44,7 @@ class LimitsSection:
     max_turn_ms: float = 60_000.0  # client-committed turns (turn_detection null)
     resume_grace_s: float = 30.0  # a /v1/realtime session whose connection dropped is kept this long for a resume; 0: never
     resume_buffer_bytes: int = 1 << 20  # sent messages kept per session for replay on resume (newest first)
+    input: InputLimits = InputLimits()  # what one client may send per second (a nested section: limits.input.audio_rate ...)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class VadSection(VadParams):
         return VadParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(VadParams)}) if self.enabled else None
 
 
+MAX_SEED = 2**63 - 1
+MAX_TOP_K = 1_000_000  # beyond any vocabulary: the same as no top-k
+
+
 @dataclass(frozen=True)
 class SessionSection:
     """Defaults of a new session's settings: the base of `realtime.protocol.SessionSettings`, which
@@ -80,6 +86,20 @@ class SessionSection:
     seed: int | None = ENGINE_DEFAULTS.seed
     cfg_scale: float = ENGINE_DEFAULTS.cfg_scale
     max_response_ms: float = ENGINE_DEFAULTS.max_response_ms
+
+    def problems(self) -> list[tuple[str, str]]:
+        """The settings the engine would refuse, as (field, why): session.update and the config refuse
+        them up front, so no response fails later for a value the server accepted. The bounds are
+        vLLM's (temperature <= 2; seed and top_k travel as 64-bit integers to the engine core)."""
+        checks = (
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be within [0, 2]"),
+            ("top_k", 0 <= self.top_k <= MAX_TOP_K, f"must be within [0, {MAX_TOP_K}] (0: no top-k)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be within (0, 1]"),
+            ("seed", self.seed is None or 0 <= self.seed <= MAX_SEED, f"must be within [0, {MAX_SEED}] or null"),
+            ("cfg_scale", 0.0 <= self.cfg_scale <= 20.0, "must be within [0, 20]"),
+            ("max_response_ms", 0.0 < self.max_response_ms <= 600_000.0, "must be within (0, 600000]"),
+        )
+        return [(name, why) for name, ok, why in checks if not ok]
 
     def engine_options(self, voice_pcm: dict) -> ConversationOptions:
         """The engine's options for these settings; `voice_pcm`: the server's voices, loaded (name -> 16 kHz PCM)."""
@@ -97,11 +117,13 @@ TELEPHONY_VAD = VadParams(threshold=0.6, prefix_padding_ms=300, silence_duration
 class TelephonySection:
     """The Twilio Media Streams bridge (`WS /v1/telephony/twilio`, `POST|GET /v1/telephony/twiml`)."""
 
-    public_url: str | None = None  # how Twilio reaches us (https://voice.example.com); null: server.public_url, else the Host header
+    public_url: str | None = None  # how Twilio reaches us (https://voice.example.com); null: server.public_url
+    allowed_hosts: list = field(default_factory=list)  # no public URL set: Host headers TwiML may name (loopback always)
     twilio_auth_token: str | None = None  # set: the TwiML webhook must carry a valid X-Twilio-Signature (or the gateway token)
     end_call_digit: str | None = "#"  # DTMF digit that ends the call; null: none does
     start_timeout_s: float = 10.0  # connected stream without a `start` for this long => closed
     ticket_ttl_s: float = 60.0  # the one-time stream token in the TwiML is valid this long
+    max_message_bytes: int = 16 * 1024  # one Twilio message (theirs are < 1 KiB); larger closes the stream (1009)
     vad: VadParams = TELEPHONY_VAD  # turn detection of phone calls (a nested section: telephony.vad.threshold ...)
 
 
@@ -193,23 +215,26 @@ def validate(cfg: ServerConfig) -> None:
         ("audio.output_frame_ms", cfg.audio.output_frame_ms in (10, 20, 40, 60, 80, 100)),
         ("audio.opus_complexity", 0 <= cfg.audio.opus_complexity <= 10),
         ("audio.vad_batch_ms", 0 <= cfg.audio.vad_batch_ms <= 200),
-        ("session.top_p", 0.0 < cfg.session.top_p <= 1.0),
-        ("session.max_response_ms", cfg.session.max_response_ms > 0),
         ("telephony.public_url", cfg.telephony.public_url is None or cfg.telephony.public_url.split("://")[0] in ("http", "https", "ws", "wss")),
         ("telephony.end_call_digit", cfg.telephony.end_call_digit is None or (len(cfg.telephony.end_call_digit) == 1
                                                                               and cfg.telephony.end_call_digit in "0123456789*#ABCD")),
         ("telephony.start_timeout_s", cfg.telephony.start_timeout_s > 0),
         ("telephony.ticket_ttl_s", cfg.telephony.ticket_ttl_s > 0),
+        ("telephony.max_message_bytes", cfg.telephony.max_message_bytes >= 1024),
     ]
     for key, ok in checks:
         if not ok:
             raise ValueError(f"config key '{key}': value out of range")
-    for key, params in (("vad", cfg.vad), ("telephony.vad", cfg.telephony.vad)):
+    for name, why in cfg.session.problems():
+        raise ValueError(f"config key 'session.{name}': value out of range ({why})")
+    for key, params in (("vad", cfg.vad), ("telephony.vad", cfg.telephony.vad), ("limits.input", cfg.limits.input)):
         try:
             params.validate()
         except ValueError as e:  # "turn_detection.NAME must be ...": the same rule as session.update's
             name = str(e).split()[0].split(".")[-1]
             raise ValueError(f"config key '{key}.{name}': value out of range ({str(e).split(' ', 1)[1]})") from None
+    if not all(isinstance(h, str) and h for h in cfg.telephony.allowed_hosts):
+        raise ValueError("config key 'telephony.allowed_hosts': a list of host names (host or host:port)")
     for name, path in cfg.session.voices.items():
         if not isinstance(name, str) or not name or name == "default" or not isinstance(path, str):
             raise ValueError(f"config key 'session.voices.{name}': a voice is a name (not 'default') and a WAV file path")

@@ -8,7 +8,6 @@ the request head to websockets, so one port serves WebSocket upgrades, pages and
 
 from __future__ import annotations
 
-import hmac
 import json
 import mimetypes
 from collections.abc import Awaitable, Callable
@@ -19,6 +18,8 @@ from pathlib import Path
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Response
+
+from realtime.credentials import same_secret
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 _MAX_HEAD = 16 * 1024
@@ -72,13 +73,13 @@ class TokenAuth:
         if not self.token:
             return True
         header = headers.get("Authorization", "")
-        if header.startswith("Bearer ") and hmac.compare_digest(header[7:].strip(), self.token):
+        if header.startswith("Bearer ") and same_secret(header[7:].strip(), self.token):
             return True
-        return any(hmac.compare_digest(t, self.token) for t in query.get("token", []))
+        return any(same_secret(t, self.token) for t in query.get("token", []))
 
     def matches(self, token: str) -> bool:
         """A token carried by the protocol itself (Twilio's customParameters)."""
-        return bool(self.token) and bool(token) and hmac.compare_digest(token, self.token)
+        return bool(self.token) and bool(token) and same_secret(token, self.token)
 
 
 def json_error(status: HTTPStatus, code: str, message: str, headers: dict | None = None) -> HttpReply:

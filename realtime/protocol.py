@@ -25,6 +25,7 @@ import struct
 from dataclasses import dataclass, field, fields, replace
 
 from engine.service_api import ConversationOptions
+from realtime import client_json
 from realtime.config import SessionSection
 from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat, parse_wire_format
 from realtime.session import (
@@ -98,6 +99,18 @@ def _get(obj: dict, key: str, types: type | tuple, *, required: bool = False, pr
         names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
         raise ClientError("invalid_type", f"'{prefix}{key}' must be of type {names}", prefix + key)
     return value
+
+
+def _number(obj: dict, key: str, lo: float, hi: float, *, integer: bool = False, required: bool = False,
+            prefix: str = "") -> float | int | None:
+    """A number within [lo, hi] (client_json already refused NaN, infinities and huge literals)."""
+    value = _get(obj, key, int if integer else (int, float), required=required, prefix=prefix)
+    if value is not None and not lo <= value <= hi:
+        raise ClientError("invalid_value", f"'{prefix}{key}' must be within [{lo:g}, {hi:g}], got {value:g}", prefix + key)
+    return value
+
+
+_MAX_MS = 24 * 3600 * 1000.0  # a day of audio: beyond any answer's or turn's length
 
 
 class RealtimeProtocol:
@@ -192,9 +205,9 @@ class RealtimeProtocol:
         event_id = None
         try:
             try:
-                ev = json.loads(text)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ClientError("invalid_json", f"message is not valid JSON: {e.msg} at position {e.pos}") from None
+                ev = client_json.loads(text)
+            except client_json.BadJson as e:
+                raise ClientError("invalid_json", f"message is not valid JSON: {e}") from None
             if not isinstance(ev, dict):
                 raise ClientError("invalid_json", "an event must be a JSON object")
             event_id = ev.get("event_id") if isinstance(ev.get("event_id"), str) else None
@@ -258,15 +271,15 @@ class RealtimeProtocol:
         content_index = _get(ev, "content_index", int)
         if content_index not in (None, 0):
             raise ClientError("invalid_value", "content_index must be 0", "content_index")
-        audio_end_ms = _get(ev, "audio_end_ms", (int, float), required=True)
+        audio_end_ms = _number(ev, "audio_end_ms", 0, _MAX_MS, required=True)
         self._inputs.append(TruncateItem(item_id, float(audio_end_ms), _event_id(ev)))
 
     def _on_output_clear(self, ev: dict, now: float) -> None:
         self._inputs.append(ClearOutput(_event_id(ev)))
 
     def _on_played(self, ev: dict, now: float) -> None:
-        played_ms = _get(ev, "played_ms", (int, float), required=True)
-        underruns = _get(ev, "underruns", int) or 0
+        played_ms = _number(ev, "played_ms", 0, _MAX_MS, required=True)
+        underruns = _number(ev, "underruns", 0, 1_000_000, integer=True) or 0
         self._inputs.append(Played(float(played_ms), underruns, _get(ev, "response_id", str), _event_id(ev)))
 
     def _on_session_update(self, ev: dict, now: float) -> None:
@@ -303,7 +316,9 @@ class RealtimeProtocol:
             if (v := _get(ours, key, types, prefix="session.duplex.")) is not None:
                 changes[key] = v
         s = replace(self.settings, **changes)
-        _check_sampling(s)
+        for name, why in s.problems():
+            param = f"session.{name}" if name == "temperature" else f"session.duplex.{name}"
+            raise ClientError("invalid_value", f"'{param}' {why}", param)
         # All validated: apply.
         if vad_change is not _UNSET:
             self.turn_detection = vad_change
@@ -487,16 +502,3 @@ class _NoWireAudio:
 
 def _event_id(ev: dict) -> str | None:
     return ev.get("event_id") if isinstance(ev.get("event_id"), str) else None
-
-
-def _check_sampling(s: SessionSettings) -> None:
-    checks = (
-        ("session.temperature", 0.0 <= s.temperature <= 5.0, "must be within [0, 5]"),
-        ("session.duplex.top_k", s.top_k >= 0, "must be >= 0"),
-        ("session.duplex.top_p", 0.0 < s.top_p <= 1.0, "must be within (0, 1]"),
-        ("session.duplex.cfg_scale", 0.0 <= s.cfg_scale <= 20.0, "must be within [0, 20]"),
-        ("session.duplex.max_response_ms", 0.0 < s.max_response_ms <= 600_000.0, "must be within (0, 600000]"),
-    )
-    for param, ok, why in checks:
-        if not ok:
-            raise ClientError("invalid_value", f"'{param}' {why}", param)

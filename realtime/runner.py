@@ -48,7 +48,8 @@ from realtime.session import (
     CancelResponse, EndTurn, OutputCleared, PushAudio, ResponseAudio, ResponseDone, Session, SessionError, SessionStats,
     StartResponse, TruncateResponse,
 )
-from realtime.session_input import SessionInput, apply_inputs
+from realtime.input_budget import InputBudget
+from realtime.session_input import SessionInput, apply_inputs, rate_error
 from realtime.vad_batch import VadBatcher
 
 log = logging.getLogger("duplex.gateway")
@@ -212,6 +213,7 @@ class SessionRunner:
         self._observed_at = self._started
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._audio_out = audio_out
+        self.budget = InputBudget(lim.input, self._started)
 
     async def run(self) -> None:
         self.task = asyncio.current_task()
@@ -460,14 +462,17 @@ class SessionRunner:
         match item:
             case ClientMessage(data):
                 self._last_client = now
-                self.proto.receive(data, now)
-                apply_inputs(self.proto, self.session, now)
+                if (rejection := self.budget.message(now)) is not None:  # not even parsed: it costs nothing more
+                    self.deps.metrics.input_rejected.labels("messages").inc()
+                    if rejection.report:
+                        self.proto.input_refused(rate_error(rejection, self.budget.limits), None)
+                    return
+                self._client_input(lambda: self.proto.receive(data, now), now)
                 if (options := self.proto.take_engine_options()) is not None:
                     self.conv.update_options(options)  # applies from the conversation's next response on
             case TransportAudio(pcm):
                 self._last_client = now
-                self.proto.receive_audio(pcm, now)
-                apply_inputs(self.proto, self.session, now)
+                self._client_input(lambda: self.proto.receive_audio(pcm, now), now)
             case EngineChunk(rid, chunk):
                 self.session.receive_engine_chunk(rid, chunk.pcm, chunk.text_delta, chunk.is_last, chunk.deadline, now)
             case EngineFailed(rid, error):
@@ -481,6 +486,24 @@ class SessionRunner:
                 self._attach(link, last_seq, done, now)
             case LinkClosed():
                 pass  # an old link's reader, replaced by a resume
+
+    def _client_input(self, receive: Callable[[], None], now: float) -> None:
+        """Parse one client input and apply what it asks. A failure here is our bug, not the client's:
+        the client gets an error event and the session goes on (the input is lost, nothing else)."""
+        try:
+            receive()
+            dropped = apply_inputs(self.proto, self.session, now, self.budget)
+        except Exception:
+            log.exception("session %s: a client input could not be handled", self.id)
+            self.proto.error("internal_error", "the server failed to handle this input (see its log); the session goes on")
+            return
+        if dropped:
+            self.deps.metrics.input_rejected.labels("audio").inc(dropped)
+            self.deps.metrics.frames_dropped.labels(self.transport, "input_rate").inc(dropped)
+        if self.budget.exhausted(now):
+            lim = self.budget.limits
+            self._close_with_error(CloseReason.POLICY, "input_rate_exceeded",
+                                   f"input beyond the session's budget for {lim.overrun_close_s:g} s: closed")
 
     def _run_commands(self) -> None:
         for cmd in self.session.commands():

@@ -105,6 +105,8 @@ class Gateway:
         ws_route, http_route = self.routes.ws.get(path), self.routes.http.get(path)
         needs_auth = (ws_route.auth if ws_route else http_route.auth if http_route else True)
         if needs_auth and not self.auth.authorized(request.headers, query):
+            known = ws_route is not None or http_route is not None or path == "/metrics"
+            self.metrics.auth_failures.labels(path if known else "other").inc()
             if ws_route or http_route:
                 self.metrics.sessions_refused.labels("unauthorized").inc()
             return respond(connection, HttpReply(HTTPStatus.UNAUTHORIZED, "missing or invalid token\n",

@@ -12,7 +12,8 @@ from typing import Protocol
 
 import numpy as np
 
-from realtime.session import Session, SessionError
+from realtime.input_budget import InputBudget, InputLimits, Rejection
+from realtime.session import RATE_HZ, Session, SessionError
 from realtime.vad import VadParams
 
 
@@ -106,10 +107,29 @@ def apply(session: Session, inp: SessionInput, now: float) -> None:
             session.set_turn_detection(params)
 
 
-def apply_inputs(source: InputSource, session: Session, now: float) -> None:
-    """Everything `source` parsed since the last call, in order; refusals go back to it."""
+def apply_inputs(source: InputSource, session: Session, now: float, budget: InputBudget | None = None) -> int:
+    """Everything `source` parsed since the last call, in order; refusals go back to it. Client audio
+    beyond `budget` is dropped (reported at most once a second). Returns the audio frames dropped."""
+    dropped = 0
     for inp in source.inputs():
+        if budget is not None and isinstance(inp, AudioIn) and inp.client_frame:
+            rejection = budget.audio(len(inp.pcm) / RATE_HZ, now)
+            if rejection is not None:
+                dropped += 1
+                if rejection.report:
+                    source.input_refused(rate_error(rejection, budget.limits), inp.event_id)
+                continue
         try:
             apply(session, inp, now)
         except SessionError as e:
             source.input_refused(e, inp.event_id)
+    return dropped
+
+
+def rate_error(rejection: Rejection, limits: InputLimits) -> SessionError:
+    if rejection.what == "audio":
+        why = f"audio faster than {limits.audio_rate:g}x real time (beyond a {limits.audio_burst_s:g} s burst)"
+    else:
+        why = f"more than {limits.messages_per_s:g} messages a second (beyond a burst of {limits.message_burst:g})"
+    return SessionError("input_rate_exceeded", f"{why}: {rejection.since_report} dropped since the last such error; "
+                                               f"the session is closed if this goes on for {limits.overrun_close_s:g} s")

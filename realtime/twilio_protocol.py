@@ -43,7 +43,9 @@ from urllib.parse import urlsplit, urlunsplit
 from xml.sax.saxutils import quoteattr
 
 from engine.service_api import ConversationOptions
+from realtime import client_json
 from realtime.audio import ulaw_decode, ulaw_encode
+from realtime.credentials import same_secret
 from realtime.halfband import Downsampler, Upsampler
 from realtime.session_input import AudioIn, Played, SessionInput
 from realtime.session import (
@@ -174,11 +176,9 @@ class TwilioProtocol:
         if isinstance(message, bytes):
             return self._fault("binary_frame", f"{len(message)} bytes (Twilio sends JSON text frames)")
         try:
-            msg = json.loads(message)
-        except json.JSONDecodeError as e:
-            return self._fault("invalid_json", f"{e.msg} at position {e.pos}")
-        except RecursionError:
-            return self._fault("invalid_json", "nested too deeply")
+            msg = client_json.loads(message)
+        except client_json.BadJson as e:
+            return self._fault("invalid_json", str(e))
         if not isinstance(msg, dict):
             return self._fault("invalid_json", "a message must be a JSON object")
         event = msg.get("event")
@@ -418,13 +418,13 @@ def render_twiml(url: str, parameters: dict[str, str]) -> str:
 def twilio_signature(auth_token: str, url: str, params: Iterable[tuple[str, str]]) -> str:
     """X-Twilio-Signature: base64(HMAC-SHA1(auth token, url + each POST parameter's name and value, sorted by name))."""
     data = url + "".join(k + v for k, v in sorted(params))
-    return base64.b64encode(hmac.new(auth_token.encode(), data.encode(), hashlib.sha1).digest()).decode("ascii")
+    return base64.b64encode(hmac.new(auth_token.encode(), data.encode("utf-8", "surrogatepass"), hashlib.sha1).digest()).decode("ascii")
 
 
 def signature_valid(auth_token: str, url: str, params: Iterable[tuple[str, str]], signature: str) -> bool:
     """Checks `url` as given and with its default port added or removed (Twilio signs the URL as configured)."""
     params = list(params)
-    return any(hmac.compare_digest(twilio_signature(auth_token, u, params), signature) for u in _port_variants(url))
+    return any(same_secret(signature, twilio_signature(auth_token, u, params)) for u in _port_variants(url))
 
 
 def _port_variants(url: str) -> list[str]:

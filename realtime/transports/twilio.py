@@ -54,6 +54,17 @@ def register(ctx: TransportContext) -> TwilioBridge:
     return bridge
 
 
+_LOOPBACK = ("localhost", "127.0.0.1", "[::1]")
+
+
+def host_allowed(host: str, allowed: list[str]) -> bool:
+    """A Host header (name[:port]) that may name this server: loopback, or one of `allowed` (with or without its port)."""
+    host = host.strip().lower()
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    allowed = [a.strip().lower() for a in allowed]
+    return bool(host) and (name in _LOOPBACK or host in allowed or name in allowed)
+
+
 class TicketBook:
     """One-time stream tokens handed out in TwiML, each bound to its call (when the webhook named one)."""
 
@@ -86,22 +97,35 @@ class TwilioBridge:
         form = parse_qsl(req.body.decode("utf-8", "replace"), keep_blank_values=True) if req.method == "POST" else []
         if not self._webhook_authorized(req, form):
             status = HTTPStatus.FORBIDDEN if self.config.telephony.twilio_auth_token else HTTPStatus.UNAUTHORIZED
+            self.ctx.metrics.auth_failures.labels(TWIML_PATH).inc()
             self.ctx.metrics.sessions_refused.labels("unauthorized").inc()
             return HttpReply(status, "invalid X-Twilio-Signature or token\n")
+        base = self._public_base(req)
+        if base is None:
+            log.warning("twiml webhook: Host %r is not ours: set telephony.public_url (or list it in telephony.allowed_hosts)",
+                        req.headers.get("Host"))
+            return HttpReply(HTTPStatus.MISDIRECTED_REQUEST, "this server does not know its public URL for this Host: "
+                                                             "set telephony.public_url (or telephony.allowed_hosts)\n")
         call_sid = dict(form).get("CallSid") or next(iter(req.query.get("CallSid", [])), None)
         params = {"token": self.tickets.issue(call_sid)} if self.ctx.auth.token else {}
-        url = stream_url(self._public_base(req), STREAM_PATH)
-        return HttpReply(HTTPStatus.OK, render_twiml(url, params), "text/xml; charset=utf-8")
+        return HttpReply(HTTPStatus.OK, render_twiml(stream_url(base, STREAM_PATH), params), "text/xml; charset=utf-8")
 
-    def _public_base(self, req: HttpRequest) -> str:
-        return self.config.telephony.public_url or self.config.server.public_url or f"https://{req.headers.get('Host', 'localhost')}"
+    def _public_base(self, req: HttpRequest) -> str | None:
+        """Where Twilio must open the stream (and take its one-time ticket): the configured public URL.
+        Without one, the request's Host only when it is loopback or listed in `telephony.allowed_hosts`:
+        a Host header is the client's to choose, and the ticket would go wherever it names."""
+        configured = self.config.telephony.public_url or self.config.server.public_url
+        if configured:
+            return configured
+        host = req.headers.get("Host", "")
+        return f"https://{host}" if host_allowed(host, self.config.telephony.allowed_hosts) else None
 
     def _webhook_authorized(self, req: HttpRequest, form: list[tuple[str, str]]) -> bool:
         auth, auth_token = self.ctx.auth, self.config.telephony.twilio_auth_token
         if not auth_token:
             return auth.authorized(req.headers, req.query)
         signature = req.headers.get("X-Twilio-Signature")
-        if signature:
+        if signature and self._public_base(req) is not None:
             query = urlencode([(k, v) for k, vs in req.query.items() for v in vs])
             url = self._public_base(req).rstrip("/") + req.path + (f"?{query}" if query else "")
             if signature_valid(auth_token, url, form, signature):
@@ -112,6 +136,9 @@ class TwilioBridge:
     # ---- the media stream ----
     async def stream(self, ws: ServerConnection) -> None:
         admission, metrics, cfg = self.ctx.admission, self.ctx.metrics, self.config
+        # Twilio's messages are under 1 KiB (`start` with its parameters a few): the server-wide limit
+        # (megabytes, for audio appends) would let an unauthenticated socket make us parse megabytes.
+        ws.protocol.max_message_size = cfg.telephony.max_message_bytes
         proto = TwilioProtocol(admission.new_session(vad=cfg.telephony.vad, output_frame_ms=FRAME_MS, acked_playback=True),
                                end_call_digit=cfg.telephony.end_call_digit,
                                on_fault=lambda kind: metrics.telephony_faults.labels(kind).inc(),
@@ -122,6 +149,7 @@ class TwilioBridge:
         token = start.custom_parameters.get("token", "")
         if not self._stream_authorized(token, start.call_sid):
             log.warning("twilio stream %s (call %s): missing or invalid token: closed", start.stream_sid, start.call_sid)
+            metrics.auth_failures.labels(STREAM_PATH).inc()
             metrics.sessions_refused.labels("unauthorized").inc()
             await ws.close(CLOSE_POLICY, "missing or invalid token")
             return
