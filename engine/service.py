@@ -391,6 +391,16 @@ class Conversation:
         if self._last is not None and self._last.id == response_id:
             self._last.cancel(played_ms)
 
+    def suspend(self) -> None:
+        self._check_open()
+        if self._response is not None:
+            self._response.cancel(float("inf"))
+        self._engine.set_suspended(self.id, True)
+
+    def resume(self) -> None:
+        self._check_open()
+        self._engine.set_suspended(self.id, False)
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -419,6 +429,7 @@ class Engine:
     def __init__(self, config: EngineServiceConfig) -> None:
         self.config = config
         self._conversations: dict[str, Conversation] = {}
+        self._suspended: set[str] = set()  # open, but their clients are away: no slot held
         self._salt_ids = itertools.count()
         self._ready = False
         self._capacity = CapacityModel(max_conversations=min(config.max_conversations, config.max_num_seqs),
@@ -531,15 +542,27 @@ class Engine:
             raise AtCapacity("engine is not ready")
         if session_id in self._conversations:
             raise ValueError(f"conversation {session_id!r} is already open")
-        cap = self.capacity()
-        if len(self._conversations) >= cap:
-            raise AtCapacity(
-                f"server at capacity: {len(self._conversations)} conversations open, "
-                f"{cap} can respond in real time"
-            )
+        self._check_room()
         conv = Conversation(self, session_id, options or ConversationOptions())
         self._conversations[session_id] = conv
         return conv
+
+    def _check_room(self) -> None:
+        cap, active = self.capacity(), self._active()
+        if active >= cap:
+            raise AtCapacity(f"server at capacity: {active} conversations active, {cap} can respond in real time")
+
+    def _active(self) -> int:
+        return len(self._conversations) - len(self._suspended)
+
+    def set_suspended(self, session_id: str, suspended: bool) -> None:
+        """A conversation's slot freed (its client is away) or taken again (AtCapacity when none is free)."""
+        if suspended:
+            if session_id in self._conversations:
+                self._suspended.add(session_id)
+        elif session_id in self._suspended:
+            self._check_room()
+            self._suspended.discard(session_id)
 
     def capacity(self) -> int:
         if self.config.capacity_override is not None:
@@ -553,7 +576,7 @@ class Engine:
     def load(self) -> EngineLoad:
         responding = sum(1 for c in self._conversations.values() if c.responding)
         return EngineLoad(
-            conversations=len(self._conversations),
+            conversations=self._active(),
             responding=responding,
             capacity=self.capacity(),
             step_ms=self._capacity.predicted_step_ms(max(responding, 1)),
@@ -583,6 +606,7 @@ class Engine:
     def forget(self, session_id: str) -> None:
         """A closed conversation no longer counts for capacity."""
         self._conversations.pop(session_id, None)
+        self._suspended.discard(session_id)
 
     def close_stream(self, response_id: str) -> None:
         self._codec.close(response_id)

@@ -12,6 +12,7 @@ The gateway (realtime/) imports this module and nothing else from engine/ at imp
     async for chunk in handle.chunks(): ...              # AudioChunk, in order, until is_last
     handle.cancel(played_ms)                             # barge-in: stop; history keeps what was played
     conv.truncate(response_id, played_ms)                # cut a finished answer (the client stopped playing it)
+    conv.suspend(); conv.resume()                        # client away: its slot is free, its history kept
     await conv.close()
     engine.health(), engine.load()
 """
@@ -145,6 +146,15 @@ class Conversation(Protocol):
     def truncate(self, response_id: str, played_ms: float) -> None:
         """The client played only `played_ms` of a finished answer: the history keeps that much.
         Unknown or older responses are ignored (only the latest answer can still be cut)."""
+
+    def suspend(self) -> None:
+        """The client is away (its connection dropped; it may resume): free the engine slot, keep the
+        history and the conversation. A running answer is cancelled (keeping what it generated); the
+        gateway suspends only between answers. Idempotent."""
+
+    def resume(self) -> None:
+        """Take an engine slot again after `suspend()`; raises `AtCapacity` (and stays suspended)
+        when the engine is full. Idempotent."""
 
     async def close(self) -> None:
         """End the conversation: cancel what runs, free its engine slot. Idempotent."""

@@ -37,7 +37,7 @@ class Admission:
         self.metrics = metrics
         self.sessions: dict[str, SessionRunner] = {}
         self.closing = False  # the server is stopping: nobody is admitted, lost links are not kept
-        self.deps = RunnerDeps(config.limits, metrics, vad, lambda: self.closing)
+        self.deps = RunnerDeps(config.limits, metrics, vad, lambda: self.closing, self._gateway_full)
         self._background: set[asyncio.Task] = set()
 
     def new_session(self, vad: VadParams | None | object = SERVER_VAD, output_frame_ms: int | None = None,
@@ -112,13 +112,20 @@ class Admission:
         if tasks:
             await asyncio.wait(tasks, timeout=self.config.limits.close_timeout_s)
 
-    def _open_conversation(self, session_id: str, proto: WireProtocol):
+    def _gateway_full(self) -> str | None:
+        """Why no session may take a slot now, or None. Detached sessions between answers hold none."""
         cap = self.config.limits.max_sessions
+        if self.closing:
+            return "the server is shutting down"
+        holding = sum(1 for r in self.sessions.values() if not r.suspended)
+        if cap is not None and holding >= cap:
+            return f"server at capacity: {holding} sessions active (limit {cap})"
+        return None
+
+    def _open_conversation(self, session_id: str, proto: WireProtocol):
         try:
-            if self.closing:
-                raise AtCapacity("the server is shutting down")
-            if cap is not None and len(self.sessions) >= cap:
-                raise AtCapacity(f"server at capacity: {len(self.sessions)} sessions open (limit {cap})")
+            if (why := self._gateway_full()) is not None:
+                raise AtCapacity(why)
             return self.engine.open_conversation(session_id, proto.engine_options())
         except AtCapacity:
             self.metrics.sessions_refused.labels("capacity").inc()

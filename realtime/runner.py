@@ -35,7 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.service_api import Conversation, ConversationOptions, ResponseHandle
+from engine.service_api import AtCapacity, Conversation, ConversationOptions, ResponseHandle
 from realtime.config import LimitsSection
 from realtime.link import Link
 from realtime.messages import (
@@ -113,6 +113,7 @@ class RunnerDeps:
     metrics: GatewayMetrics
     vad: VadBatcher | None  # None: each session runs its own VAD windows at once
     server_closing: Callable[[], bool]  # True once the server stops: a lost link is then not kept for a resume
+    gateway_full: Callable[[], str | None] = lambda: None  # why no session may take a slot now (the gateway's cap), or None
 
 
 class SessionInbox:
@@ -214,6 +215,7 @@ class SessionRunner:
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._audio_out = audio_out
         self.budget = InputBudget(lim.input, self._started)
+        self.suspended = False  # detached between answers: the engine slot is given back until a resume
 
     async def run(self) -> None:
         self.task = asyncio.current_task()
@@ -353,6 +355,7 @@ class SessionRunner:
             if self.closing is not None:
                 raise ResumeRefused("resume_failed", "the session is closing")
             replay = self._replay.since(last_seq)
+            self._take_slot()
         except ResumeRefused as e:
             done.set_exception(e)
             return
@@ -373,6 +376,28 @@ class SessionRunner:
         self._start_link([resumed, *replay.messages])
         log.info("session %s: resumed (after message %d: %d replayed, %d missed)", self.id, last_seq, len(replay.messages), replay.missed)
         done.set_result(None)
+
+    def _release_slot_if_away(self) -> None:
+        """A detached session between answers gives its engine slot back (a vanished client must not
+        keep callers out for the whole grace); an answer still generating keeps it until it ends."""
+        r = self.session.response
+        if self._detached_at is None or self.suspended or (r is not None and not r.status.finished) or self.session.vad_pending:
+            return  # (audio still in the VAD could end the turn and start an answer)
+        self.conv.suspend()
+        self.suspended = True
+        log.info("session %s: detached, engine slot released until a resume", self.id)
+
+    def _take_slot(self) -> None:
+        """A resume of a suspended session: a slot again, or ResumeRefused (it stays detached, resumable)."""
+        if not self.suspended:
+            return
+        try:
+            if (why := self.deps.gateway_full()) is not None:
+                raise AtCapacity(why)
+            self.conv.resume()
+        except AtCapacity as e:
+            raise ResumeRefused(AtCapacity.code, f"cannot resume now: {e}") from None
+        self.suspended = False
 
     async def _session_loop(self) -> None:
         lim = self.limits
@@ -410,6 +435,7 @@ class SessionRunner:
                     return
                 if now >= idle_at and (self.session.response is None or self.session.response.status.finished):
                     self._close_with_error(CloseReason.IDLE_TIMEOUT, "idle_timeout", f"no client event for {lim.idle_timeout_s:.0f} s")
+            self._release_slot_if_away()
             if self.session.vad_pending and not self._vad_submitted:
                 self._submit_vad()
             # While detached nothing is paced out: undelivered audio is not played; pacing resumes on attach.

@@ -122,15 +122,16 @@ class SileroVad:
 _SR = np.array(VAD_RATE_HZ, dtype=np.int64)
 
 
-def run_silero(streams: list[SileroVad]) -> int:
-    """Run every pending window of every stream; one model call per round, each stream a row of it.
+def run_silero(streams: list[SileroVad], max_rounds: int | None = None) -> int:
+    """Run the pending windows of every stream, at most `max_rounds` each (None: all); one model call
+    per round, each stream a row of it.
 
     Rows are independent (the recurrent state is per row), so a stream's probabilities do not depend
     on who it was batched with; a batch of 8 costs ~60 us a window against ~150 us alone. Returns the
     number of model calls.
     """
     session, calls = _shared_session(), 0
-    while active := [s for s in streams if s.windows_pending]:
+    while (max_rounds is None or calls < max_rounds) and (active := [s for s in streams if s.windows_pending]):
         inp = np.stack([s._next_window() for s in active])
         rnn = np.concatenate([s._state.rnn for s in active], axis=1)
         out, rnn = session.run(None, {"input": inp, "state": rnn, "sr": _SR})

@@ -24,6 +24,10 @@ from realtime.vad import SileroVad, run_silero
 log = logging.getLogger("duplex.gateway")
 
 _ACTIVE_S = 0.1  # a stream that submitted this recently is expected to submit again (> one 32 ms window)
+# A tick runs at most this many windows of a stream (512 ms of audio, ~1-2.5 ms of CPU): a session that
+# sent seconds of audio at once has it run over several ticks, with the event loop free in between,
+# instead of one tick stalling every other session's audio (issue 23).
+MAX_ROUNDS_PER_TICK = 16
 
 
 class VadBatcher:
@@ -61,11 +65,12 @@ class VadBatcher:
         stale = time.monotonic() - _ACTIVE_S
         self._active = {s: t for s, t in self._active.items() if t >= stale}
         streams = list(waiting)
-        self.windows += sum(s.windows_pending for s in streams)
+        pending = sum(s.windows_pending for s in streams)
         try:
             cpu0 = time.thread_time()
-            self.calls += run_silero(streams)
+            self.calls += run_silero(streams, MAX_ROUNDS_PER_TICK)
             self.cpu_s += time.thread_time() - cpu0
+            self.windows += pending - sum(s.windows_pending for s in streams)
         except Exception:  # each session settles its own audio and reports its own failure
             log.exception("batched VAD failed for %d sessions", len(streams))
         self.ticks += 1

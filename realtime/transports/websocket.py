@@ -108,7 +108,8 @@ def register(ctx: TransportContext) -> None:
             await runner.attach(WebSocketLink(ws), last_seq)
         except ResumeRefused as e:
             await ws.send(error_event(e.code, e.message))
-            await ws.close(CLOSE_NORMAL, e.message[:120])
+            # at capacity the session stays detached: the client may try again within the grace
+            await ws.close(CLOSE_TRY_AGAIN if e.code == AtCapacity.code else CLOSE_NORMAL, e.message[:120])
             return
         await ws.wait_closed()  # the runner owns the connection now; it closes it when the session ends
 

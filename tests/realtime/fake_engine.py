@@ -329,6 +329,25 @@ class FakeConversation:
             else:
                 h._cap(played_ms)
 
+    def suspend(self) -> None:
+        self._check_open()
+        self.calls.append(("suspend",))
+        h = self._latest
+        if h is not None and not h.ended and not h.cancelled:
+            h.cancel(float("inf"))
+        self.engine.suspended.add(self.id)
+
+    def resume(self) -> None:
+        self._check_open()
+        self.calls.append(("resume",))
+        if self.id in self.engine.suspended:
+            self.engine.check_room()
+            self.engine.suspended.discard(self.id)
+
+    @property
+    def suspended(self) -> bool:
+        return self.id in self.engine.suspended
+
     async def close(self) -> None:
         self.close_calls += 1
         self.calls.append(("close",))
@@ -375,6 +394,7 @@ class FakeEngine:
         self.plan = AnswerPlan(answer_ms, chunk_ms, step_s, fail_after_chunks, deadline_offset_s, text)
         self.ready = True
         self.conversations: dict[str, FakeConversation] = {}  # open
+        self.suspended: set[str] = set()  # open, their clients away: no slot held
         self.opened: list[FakeConversation] = []  # every conversation ever opened, in order
         self.refused: list[str] = []  # session ids refused with AtCapacity
         self.shutdown_calls = 0
@@ -385,24 +405,32 @@ class FakeEngine:
             raise AtCapacity("engine is not ready")
         if session_id in self.conversations:
             raise ValueError(f"conversation {session_id!r} is already open")
-        if len(self.conversations) >= self.capacity:
+        try:
+            self.check_room()
+        except AtCapacity:
             self.refused.append(session_id)
-            raise AtCapacity(f"server at capacity: {len(self.conversations)} conversations open, capacity {self.capacity}")
+            raise
         conv = FakeConversation(self, session_id, options or ConversationOptions(), len(self.opened))
         self.conversations[session_id] = conv
         self.opened.append(conv)
         return conv
 
+    def check_room(self) -> None:
+        active = len(self.conversations) - len(self.suspended)
+        if active >= self.capacity:
+            raise AtCapacity(f"server at capacity: {active} conversations active, capacity {self.capacity}")
+
     def _release(self, conv: FakeConversation) -> None:
         if self.conversations.get(conv.id) is conv:
             del self.conversations[conv.id]
+            self.suspended.discard(conv.id)
 
     def health(self) -> EngineHealth:
         return EngineHealth(ready=self.ready, detail="ready" if self.ready else "stopped")
 
     def load(self) -> EngineLoad:
         responding = sum(c.responding for c in self.conversations.values())
-        return EngineLoad(conversations=len(self.conversations), responding=responding, capacity=self.capacity,
+        return EngineLoad(conversations=len(self.conversations) - len(self.suspended), responding=responding, capacity=self.capacity,
                           step_ms=1000.0 * self.plan.step_s, batch_size=float(responding))
 
     async def shutdown(self) -> None:
