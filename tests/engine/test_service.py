@@ -171,6 +171,52 @@ def test_admission_control_and_closed_conversations(engine, loop_thread) -> None
     assert load.conversations == 2 and load.capacity == 2 and load.step_ms > 0
 
 
+def test_the_largest_sampling_values_the_gateway_accepts_run(engine, loop_thread) -> None:
+    """realtime.config.SessionSection.problems() accepts these; a response with them must not fail
+    (vLLM takes temperature <= 2, and seed/top_k travel to the engine core as 64-bit integers)."""
+    from realtime.config import MAX_SEED, MAX_TOP_K, SessionSection
+
+    edge = SessionSection(temperature=2.0, top_k=MAX_TOP_K, top_p=1.0, seed=MAX_SEED, max_response_ms=200.0)
+    assert edge.problems() == []
+
+    async def run():
+        conv = engine.open_conversation("edge", edge.engine_options({}))
+        await talk(conv, speech(0.4, 8), realtime=False)
+        chunks = await answer(conv)
+        await conv.close()
+        return chunks
+
+    chunks = loop_thread.run(run())
+    assert chunks[-1].is_last and sum(c.duration_ms for c in chunks) == pytest.approx(200.0, abs=20)
+
+
+def test_a_suspended_conversation_holds_no_slot_and_keeps_its_history(engine, loop_thread) -> None:
+    async def run():
+        away = engine.open_conversation("away", ConversationOptions(temperature=0.0, max_response_ms=200.0))
+        await talk(away, speech(0.4, 9), realtime=False)
+        await answer(away)
+        before = away.history
+        away.suspend()
+        b = engine.open_conversation("b")  # capacity 2: "away" no longer counts
+        c = engine.open_conversation("c")
+        with pytest.raises(AtCapacity):
+            away.resume()
+        await c.close()
+        away.resume()
+        with pytest.raises(AtCapacity):
+            engine.open_conversation("d")
+        await talk(away, speech(0.4, 10), realtime=False)
+        second = await answer(away)
+        history = away.history
+        await away.close()
+        await b.close()
+        return before, second, history
+
+    before, second, history = loop_thread.run(run())
+    assert second[-1].is_last
+    assert [h.role for h in history] == [Role.USER, Role.ASSISTANT] * 2 and history[:2] == before
+
+
 def test_a_speaker_prompt_leads_the_prompt_conditions_the_answer_and_can_be_dropped(engine, loop_thread, reference, tiny_model) -> None:
     from engine.codec.ssl import SSLTokenizer
     from engine.codec.tokenizer import AudioTokenizer
