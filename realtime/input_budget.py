@@ -4,13 +4,16 @@ Every session shares the gateway's event loop (and the VAD with it): a client th
 than real time, or messages by the thousand, would add latency to everyone else's calls (issue 23:
 empty Opus packets at full speed took a witness's round trip from 0.7 ms to 535 ms). So each session
 has two token buckets: audio (seconds of audio per second of wall time, with a burst allowance for a
-client that sends a recording at once) and messages. What goes beyond them is rejected, not queued:
-the client gets an `input_rate_exceeded` error (at most one a second, with the count since the last),
-and a client that keeps exceeding for `overrun_close_s` is disconnected.
+client that sends a recording at once) and messages. Audio beyond its budget is dropped, not queued;
+messages beyond theirs are not read until their turn (the reader waits, and TCP holds the client
+back: a flood of tiny messages costs the event loop nothing). Either way the client gets an
+`input_rate_exceeded` error (at most one a second, with the count since the last), and a client that
+keeps exceeding for `overrun_close_s` is disconnected.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -41,6 +44,10 @@ class TokenBucket:
         self._level -= amount
         return True
 
+    def wait_s(self, amount: float) -> float:
+        """How long until `amount` could be taken (as of the last `take`)."""
+        return max(0.0, (amount - self._level) / self.rate)
+
 
 @dataclass(frozen=True)
 class Rejection:
@@ -49,6 +56,7 @@ class Rejection:
     what: str  # "audio" | "messages"
     report: bool
     since_report: int  # inputs rejected since the last report, this one included
+    retry_after_s: float = 0.0  # messages: when the next one will be taken
 
 
 _REPORT_EVERY_S = 1.0
@@ -68,11 +76,12 @@ class InputBudget:
         self._unreported = 0
 
     def message(self, now: float) -> Rejection | None:
-        """One client message arrived (before parsing it): None to handle it, else a Rejection."""
+        """One client message is to be read: None to read it now, else a Rejection saying how long to
+        wait first (the reader then stops reading: TCP holds the client back, at no cost to us)."""
         if self._messages.take(1.0, now):
             return None
         self.rejected_messages += 1
-        return self._reject("messages", now)
+        return dataclasses.replace(self._reject("messages", now), retry_after_s=self._messages.wait_s(1.0))
 
     def audio(self, seconds: float, now: float) -> Rejection | None:
         """`seconds` of decoded client audio: None to use it, else a Rejection (the audio is dropped)."""

@@ -64,6 +64,14 @@ class VadReady:
 
 
 @dataclass(frozen=True, slots=True)
+class Throttled:
+    """The reader is holding client messages back (over the message budget); `rejection` says whether to
+    tell the client now."""
+
+    rejection: object  # realtime.input_budget.Rejection
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     """The server ends the session: an error event with `code`, then a close."""
 
@@ -72,7 +80,7 @@ class Shutdown:
     message: str
 
 
-Inbound = ClientMessage | TransportAudio | LinkClosed | Attach | EngineChunk | EngineFailed | VadReady | Shutdown
+Inbound = ClientMessage | TransportAudio | LinkClosed | Attach | EngineChunk | EngineFailed | VadReady | Throttled | Shutdown
 
 
 class CloseReason(Enum):

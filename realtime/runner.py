@@ -40,7 +40,7 @@ from realtime.config import LimitsSection
 from realtime.link import Link
 from realtime.messages import (
     Attach, ClientMessage, CloseReason, Closing, EngineChunk, EngineFailed, Inbound, LinkClosed, Shutdown,
-    TransportAudio, VadReady,
+    Throttled, TransportAudio, VadReady,
 )
 from realtime.metrics import GatewayMetrics
 from realtime.resume import ReplayBuffer, ResumeRefused
@@ -304,6 +304,12 @@ class SessionRunner:
     async def _reader(self, link: Link) -> None:
         try:
             async for message in link.messages():
+                while (rejection := self.budget.message(time.monotonic())) is not None:
+                    self.deps.metrics.input_rejected.labels("messages").inc()
+                    self.inbox.put_server(Throttled(rejection))
+                    if self.budget.exhausted(time.monotonic()):
+                        await asyncio.Event().wait()  # the session loop closes the session; this task is cancelled
+                    await asyncio.sleep(rejection.retry_after_s)
                 await self.inbox.put_client(ClientMessage(message))
         except Exception as e:  # a dropped connection ends the session like a close
             log.debug("session %s: reader ended: %s", self.id, e)
@@ -488,11 +494,6 @@ class SessionRunner:
         match item:
             case ClientMessage(data):
                 self._last_client = now
-                if (rejection := self.budget.message(now)) is not None:  # not even parsed: it costs nothing more
-                    self.deps.metrics.input_rejected.labels("messages").inc()
-                    if rejection.report:
-                        self.proto.input_refused(rate_error(rejection, self.budget.limits), None)
-                    return
                 self._client_input(lambda: self.proto.receive(data, now), now)
                 if (options := self.proto.take_engine_options()) is not None:
                     self.conv.update_options(options)  # applies from the conversation's next response on
@@ -504,6 +505,10 @@ class SessionRunner:
             case EngineFailed(rid, error):
                 self.session.receive_engine_error(rid, now)
                 self.proto.error(getattr(error, "code", "engine_error"), f"the engine failed this response: {error}")
+            case Throttled(rejection):
+                if rejection.report:
+                    self.proto.input_refused(rate_error(rejection, self.budget.limits), None)
+                self._close_if_over_budget(now)
             case VadReady():
                 self.session.settle_vad(run=False)  # audio that came after the batch waits for the next one
             case Shutdown(reason, code, message):
@@ -526,7 +531,10 @@ class SessionRunner:
         if dropped:
             self.deps.metrics.input_rejected.labels("audio").inc(dropped)
             self.deps.metrics.frames_dropped.labels(self.transport, "input_rate").inc(dropped)
-        if self.budget.exhausted(now):
+        self._close_if_over_budget(now)
+
+    def _close_if_over_budget(self, now: float) -> None:
+        if self.closing is None and self.budget.exhausted(now):
             lim = self.budget.limits
             self._close_with_error(CloseReason.POLICY, "input_rate_exceeded",
                                    f"input beyond the session's budget for {lim.overrun_close_s:g} s: closed")

@@ -5,7 +5,8 @@
 Each fault is a coroutine against the server; after each one the run checks that the server is
 healthy, that no session of the fault is left behind, and (at the end) that the witness — an honest
 caller on its own connection the whole time — lost nothing and saw no error. The server's RSS is
-sampled before and after each fault.
+sampled before and after each fault. Then the floods (realtime/soak/floods.py): one abusive client
+at a time, with a second witness timing the event loop's round trip and its answers' audio gaps.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from realtime.soak.callers import Script, WebSocketCaller
+from realtime.soak.floods import run_floods
 from realtime.soak.server_process import ServerProcess, health, process_sample, process_tree, read_metrics
 from realtime.soak.speech import speech_sentences
 
@@ -189,6 +191,7 @@ async def run_faults(out_dir: Path, seed: int = 0) -> Path:
                          "sessions_after": h.get("sessions"), "rss_before_mib": rss0,
                          "rss_after_mib": process_sample(server.pid).get("rss_mib")}
         print(f"fault {name}: {results[name]}", flush=True)
+    floods = await run_floods(base, token)
     witness.hang_up()
     await asyncio.wait_for(witness_task, 60)
     after = await asyncio.to_thread(read_metrics, base, token)
@@ -196,6 +199,7 @@ async def run_faults(out_dir: Path, seed: int = 0) -> Path:
     w = witness.record
     report = {
         "faults": results,
+        "floods": floods,
         "witness": {"utterances": w.utterances, "answers": len(w.answers), "completed": sum(a.status == "completed" for a in w.answers),
                     "errors": w.errors, "crashed": w.crashed, "closed_by_server": w.closed_by_server,
                     "underruns": sum(a.playout.underruns for a in w.answers)},

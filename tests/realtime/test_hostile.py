@@ -220,7 +220,7 @@ def test_audio_faster_than_real_time_is_refused_then_the_session_is_closed():
     run(main)
 
 
-def test_a_message_flood_is_refused_without_parsing_and_closed():
+def test_a_message_flood_is_held_back_unread_then_closed():
     async def main():
         rig = Rig(FakeEngine(), {"limits": {"input": {"messages_per_s": 50, "message_burst": 50, "overrun_close_s": 0.5}}})
         link = MemoryLink()
@@ -233,11 +233,12 @@ def test_a_message_flood_is_refused_without_parsing_and_closed():
         await rig.ended(runner)
         elapsed = asyncio.get_running_loop().time() - t0
         codes = [e["error"]["code"] for e in link.of("error")]
-        # the burst and the refill were parsed (and answered); the rest never was
+        # the burst and the refill were read (and answered); the rest was never read at all
         assert 50 <= codes.count("invalid_json") <= 50 + 50 * elapsed
-        assert codes.count("input_rate_exceeded") >= 1
-        assert runner.end_reason() is CloseReason.POLICY
-        assert rig.metric("duplex_input_rejected_total", kind="messages") > 50
+        assert link._in.qsize() > 500
+        assert codes.count("input_rate_exceeded") >= 1 and codes[-1] == "input_rate_exceeded"
+        assert runner.end_reason() is CloseReason.POLICY and link.closes[-1][0] == 1008
+        assert rig.metric("duplex_input_rejected_total", kind="messages") >= 1
 
     run(main)
 
