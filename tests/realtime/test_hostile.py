@@ -319,9 +319,9 @@ def test_max_sessions_counts_only_sessions_holding_a_slot():
 
 
 @contextlib.asynccontextmanager
-async def gateway(config: dict | None = None):
+async def gateway(config: dict | None = None, capacity: int = 4):
     cfg = config_from_dict({**(config or {}), "server": {"port": 0, **(config or {}).get("server", {})}})
-    gw = Gateway(FakeEngine(answer_ms=200), cfg, token=TOKEN)
+    gw = Gateway(FakeEngine(capacity=capacity, answer_ms=200), cfg, token=TOKEN)
     await gw.start()
     try:
         yield gw
@@ -452,3 +452,21 @@ def test_the_rate_error_names_the_limits():
 
     e = rate_error(Rejection("messages", True, 7), InputLimits())
     assert isinstance(e, SessionError) and e.code == "input_rate_exceeded" and "200 messages" in e.message and "7 dropped" in e.message
+
+
+def test_clients_that_vanish_without_a_close_do_not_keep_new_callers_out():
+    async def main():
+        async with gateway(capacity=1) as gw:
+            url = f"ws://127.0.0.1:{gw.port}/v1/realtime?token={TOKEN}"
+            for _ in range(5):  # each takes the only slot, then its TCP connection is reset
+                ws = await connect(url)
+                created = json.loads(await asyncio.wait_for(ws.recv(), 5))
+                assert created["type"] == "session.created", created
+                ws.transport.abort()
+                await until(lambda: all(r.suspended for r in gw.sessions.values()), "the slot given back")
+            assert len(gw.sessions) == 5  # all still resumable within their grace ...
+            async with connect(url) as ws:  # ... and a new caller is admitted
+                assert json.loads(await asyncio.wait_for(ws.recv(), 5))["type"] == "session.created"
+            assert gw.metrics.registry.get_sample_value("duplex_sessions_refused_total", {"reason": "capacity"}) is None
+
+    run(main)
