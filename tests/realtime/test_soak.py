@@ -63,6 +63,17 @@ def test_fault_runs_leave_the_server_and_the_witness_unharmed(tmp_path, tiny_mod
     assert faults["slow_reader"]["answer_after_resuming"] is not False
     assert witness["errors"] == [] and witness["crashed"] is None and witness["closed_by_server"] is None
     assert witness["answers"] >= 1
+    # the floods: each abusive client is cut off by its budget (or as a slow reader of its own errors), the
+    # vanished ones keep nobody out, and the second witness lost nothing (its latencies are the run's report,
+    # docs/soak.md: timing is not asserted here)
+    floods = report["floods"]["floods"]
+    for kind in ("dtx_opus", "big_appends"):
+        assert "input_rate_exceeded" in floods[kind]["client"]["outcome"] or "slow client" in floods[kind]["client"]["outcome"], floods[kind]
+    assert floods["vanish_idle"]["client"]["refused"] == 0 and floods["vanish_idle"]["client"]["admitted"] >= 10
+    assert set(floods["twilio_before_start"]["client"]["outcomes"]) == {"ConnectionClosedError"}
+    assert report["floods"]["witness"]["lost"] is None and report["floods"]["witness"]["errors"] == []
+    assert report["floods"]["witness"]["answers_completed"] >= 5
+    assert count("duplex_input_rejected_total") > 0
     assert report["server_exit_code"] == 0
 
 
