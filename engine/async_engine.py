@@ -194,6 +194,12 @@ class AsyncOpusEngine:
             num_steps += len(toks)
 
     @property
+    def max_model_len(self) -> int:
+        """The positions a request may take, prompt and output together (EngineConfig.max_model_len,
+        else the backbone's context): what vLLM enforces."""
+        return int(self._llm.vllm_config.model_config.max_model_len)
+
+    @property
     def max_batched_tokens(self) -> int:
         return int(self._llm.vllm_config.scheduler_config.max_num_batched_tokens)
 

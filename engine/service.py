@@ -31,7 +31,16 @@ import numpy as np
 from engine import guidance, vocab
 from engine.capacity import CapacityModel
 from engine.delay import MAX_DELAY, FrameAssembler
-from engine.dialogue import SPEAKER_PROMPT_FRAMES, DialogueTurn, response_prompt, stable_user_prefix
+from engine.dialogue import (
+    SPEAKER_PROMPT_FRAMES,
+    ContextFit,
+    DialogueTurn,
+    MIN_ANSWER_FRAMES,
+    answer_rows,
+    fit_context,
+    response_prompt,
+    stable_user_prefix,
+)
 from engine.request import AudioRequest
 from engine.sampling import SamplingConfig
 from engine.service_api import (
@@ -40,6 +49,7 @@ from engine.service_api import (
     AudioChunk,
     ConversationClosed,
     ConversationOptions,
+    ConversationTooLong,
     EngineError,
     EngineHealth,
     EngineLoad,
@@ -111,6 +121,7 @@ class _UserTurn:
     tokenizer_state: object
     frames: list[np.ndarray] = field(default_factory=list)
     prefilled_frames: int = 0
+    drop: int = 0  # history turns the incremental prefill dropped: the response drops at least these
     done: asyncio.Future | None = None  # resolves when the tokenizer has flushed the turn
     last_job: asyncio.Future | None = None
 
@@ -151,6 +162,9 @@ class Response:
         self.pump: asyncio.Task | None = None  # the generation alone: what cancel stops
         self.turn: DialogueTurn | None = None  # the assistant turn in the history, once ended
         self.cached_tokens = 0  # prompt positions served from the prefix cache
+        # context management: the earlier responses whose exchanges (user turn and answer) left the
+        # history to make room for this one, oldest first
+        self.dropped_exchanges: tuple[str, ...] = ()
         self.delivered = asyncio.Event()  # the last chunk, the failure or the cancel reached the queue
 
     async def chunks(self) -> AsyncIterator[AudioChunk]:
@@ -228,6 +242,8 @@ class Conversation:
         self.prefilled_requests = 0  # incremental prefills issued while the user talked
         self.last_prompt: np.ndarray | None = None  # the prompt of the latest response
         self._last: Response | None = None
+        self.history_dropped = 0  # turns dropped from the head of the history (context management)
+        self._exchanges: list[str] = []  # the response id of each exchange in `_turns` (2 turns each)
         self._speaker: asyncio.Future | None = self._tokenize_speaker(options.speaker_prompt_pcm)
 
     @property
@@ -315,9 +331,14 @@ class Conversation:
             return
         if self._speaker is not None and not self._speaker.done():
             return  # the prompt starts with the speaker prompt: prefill once it is tokenized
-        user.prefilled_frames = user.num_frames
-        prompt = stable_user_prefix(self._turns, user.all_frames(), self._speaker_frames())
-        self._prefill_task = asyncio.ensure_future(self._engine.prefill(prompt, self._salt))
+        # the history the response will read: the same drop, never a prompt past max_model_len
+        fit = self._fit(user.num_frames, at_least=user.drop)
+        if not fit.fits:
+            return
+        user.prefilled_frames, user.drop = user.num_frames, fit.drop
+        prompt = stable_user_prefix(self._turns[fit.drop :], user.all_frames(), self._speaker_frames())
+        salt = self._salt_at(self.history_dropped + fit.drop)
+        self._prefill_task = asyncio.ensure_future(self._engine.prefill(prompt, salt))
         self.prefilled_requests += 1
 
     # --- the answer --------------------------------------------------------------------------
@@ -342,15 +363,21 @@ class Conversation:
         try:
             if prev is not None and prev.task is not None:
                 await asyncio.wait([prev.task])  # its turn must be in the history before ours
-            await user.done  # the tokenizer has flushed the turn; its frames are in `user`
-            if self._speaker is not None:
-                await self._speaker  # queued on the tokenizer thread before this turn: already done
+            failure = await self._tokenized(user)
+            fit = self._fit(user.num_frames, at_least=user.drop)
+            self._drop_turns(fit.drop, response)
+            # one exchange per response, whatever happens to it (service_api: the gateway counts on it)
             self._turns.append(DialogueTurn(vocab.USER, user.all_frames()))
+            self._exchanges.append(response.id)
             response.turn = DialogueTurn(vocab.ASSISTANT, np.zeros((0, vocab.NUM_STREAMS), np.int64))
+            if failure is not None:
+                raise failure
             if response.cancelled:
                 return
+            if not fit.fits:
+                raise ConversationTooLong(self._too_long(fit))
             self.last_prompt = response_prompt(self._turns, self._speaker_frames())
-            max_frames = max(1, int(self._options.max_response_ms / FRAME_MS))
+            max_frames = fit.max_frames
             if guidance.uses_cfg(self._options.cfg_scale):
                 max_frames = self._engine.guided_max_frames(len(self.last_prompt), max_frames)
             request = AudioRequest(
@@ -358,7 +385,7 @@ class Conversation:
                 max_frames=max_frames,
                 min_frames=1,
                 sampling=self._sampling,
-                cache_salt=self._salt,
+                cache_salt=self._salt_at(self.history_dropped),
                 realtime=True,
                 cfg_scale=self._options.cfg_scale,
             )
@@ -366,15 +393,72 @@ class Conversation:
             await asyncio.wait([response.pump])  # a cancel ends it early; its own failures it delivers
             if not response.pump.cancelled():
                 await response.delivered.wait()  # the codec stage still decodes the last frames
+        except ConversationTooLong as e:
+            log.warning("response %s of conversation %s refused: %s", response.id, self.id, e)
+            response.deliver(e)
         except Exception as e:  # the tokenizer or the request failed: the consumer learns it
             log.exception("response %s failed", response.id)
             response.deliver(e)
         finally:
             self._end_response(response)
 
+    async def _tokenized(self, user: _UserTurn) -> BaseException | None:
+        """Wait for the tokenizer to flush the turn (its frames are then in `user`) and for the speaker
+        prompt (queued before it: already done); their failure, if any, is returned, not raised."""
+        try:
+            await user.done
+            if self._speaker is not None:
+                await self._speaker
+        except Exception as e:  # the response fails with it, after its exchange entered the history
+            return e
+        return None
+
+    # --- context management (engine.dialogue.fit_context) -------------------------------------
+
+    def _max_frames(self) -> int:
+        return max(1, int(self._options.max_response_ms / FRAME_MS))
+
+    def _fit(self, user_frames: int, at_least: int = 0) -> ContextFit:
+        """Which leading turns the prompt for a user turn of `user_frames` drops, and its answer's cap."""
+        speaker = self._speaker_frames()
+        return fit_context(self._turns, user_frames, self._engine.max_model_len, self._max_frames(),
+                           self._options.retention_ratio, speaker_frames=0 if speaker is None else len(speaker),
+                           at_least=at_least)
+
+    def _salt_at(self, first_turn: int) -> str:
+        """The prefix-cache salt of prompts whose history starts at the conversation's turn `first_turn`.
+        Within one salt equal stream-0 prefixes must have equal aux streams (block hashes cover stream 0
+        only); a history starting at another turn could break that (two turns opening alike in stream 0
+        alone, e.g. on silence), so each truncation point has its own salt."""
+        return self._salt if first_turn == 0 else f"{self._salt}@{first_turn}"
+
+    def _drop_turns(self, n: int, response: Response) -> None:
+        """Drop the `n` oldest turns (whole exchanges: fit_context cuts before a user turn)."""
+        if n:
+            frames = sum(len(t.frames) for t in self._turns[:n])
+            response.dropped_exchanges = tuple(self._exchanges[: n // 2])
+            del self._turns[:n], self._exchanges[: n // 2]
+            self.history_dropped += n
+            log.info("conversation %s: context full, dropped the %d oldest turns (%.1f s of audio) before response %s; "
+                     "%d turns kept, %d dropped in all (max_model_len %d)", self.id, n, frames * FRAME_MS / 1000.0,
+                     response.id, len(self._turns), self.history_dropped, self._engine.max_model_len)
+
+    def _too_long(self, fit: ContextFit) -> str:
+        limit = self._engine.max_model_len
+        audio_s = sum(len(t.frames) for t in self._turns) * FRAME_MS / 1000.0
+        answer_s = self._max_frames() * FRAME_MS / 1000.0
+        need = fit.prompt_rows + answer_rows(self._max_frames())
+        if self._options.retention_ratio is None:
+            return (f"the conversation ({audio_s:.1f} s of audio, {fit.prompt_rows} positions) and a {answer_s:g} s answer need "
+                    f"{need} positions; the model's context is {limit} (truncation is disabled)")
+        user_s = len(self._turns[-1].frames) * FRAME_MS / 1000.0
+        return (f"the user's turn alone ({user_s:.1f} s, {fit.prompt_rows} positions with the prompt's head) leaves room for "
+                f"less than {min(self._max_frames(), MIN_ANSWER_FRAMES) * FRAME_MS / 1000.0:g} s of answer in the model's "
+                f"{limit} positions")
+
     def _end_response(self, response: Response) -> None:
         self._engine.close_stream(response.id)
-        if response.turn is not None:  # else the user turn never made it (tokenizer failure): no answer
+        if response.turn is not None:
             frames = np.concatenate(response.frames) if response.frames else response.turn.frames
             if response.played_frames is not None:
                 frames = frames[: response.played_frames]
@@ -625,6 +709,11 @@ class Engine:
             return tok.take(state)
 
         return asyncio.wrap_future(self._tok_pool.submit(job))
+
+    @property
+    def max_model_len(self) -> int:
+        """The model's context in positions (prompt and answer together): what a prompt must fit."""
+        return self.llm.max_model_len
 
     def guided_max_frames(self, prompt_len: int, wanted: int) -> int:
         """A guided answer's frame cap: a CFG pair prefills whole (engine/README.md), so the

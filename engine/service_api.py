@@ -10,6 +10,7 @@ The gateway (realtime/) imports this module and nothing else from engine/ at imp
     conv.end_user_turn()
     handle = conv.respond(response_id)                   # the gateway's id is the engine's request id
     async for chunk in handle.chunks(): ...              # AudioChunk, in order, until is_last
+    handle.dropped_exchanges                             # context management: earlier responses dropped for it
     handle.cancel(played_ms)                             # barge-in: stop; history keeps what was played
     conv.truncate(response_id, played_ms)                # cut a finished answer (the client stopped playing it)
     conv.suspend(); conv.resume()                        # client away: its slot is free, its history kept
@@ -50,6 +51,21 @@ class ResponseInProgress(EngineError):
     code = "conversation_already_has_active_response"
 
 
+class ConversationTooLong(EngineError):
+    """The answer does not fit the model's context: truncation is disabled, or the user's turn alone
+    leaves room for less than a second of answer. The response fails; the conversation goes on."""
+
+    code = "conversation_too_long"
+
+
+# Context management (engine.dialogue.fit_context): when the next prompt and the longest answer would
+# not fit the model's positions, the oldest exchanges are dropped until the conversation takes this
+# share of the room. 0.75 keeps most of the context while dropping a quarter of the window at once,
+# so the prefix cache, which a drop invalidates, is rebuilt once every several exchanges; the
+# incremental prefill rebuilds it while the user speaks. (OpenAI Realtime's `truncation: "auto"`.)
+DEFAULT_RETENTION_RATIO = 0.75
+
+
 @dataclass(frozen=True)
 class ConversationOptions:
     """Per-conversation settings (session.update maps onto these)."""
@@ -62,6 +78,7 @@ class ConversationOptions:
     seed: int | None = None
     cfg_scale: float = 1.0
     max_response_ms: float = 10_000.0
+    retention_ratio: float | None = DEFAULT_RETENTION_RATIO  # context management; None: disabled (conversation_too_long)
 
 
 DEFAULT_OPTIONS = ConversationOptions()  # the gateway's config and session defaults derive from it
@@ -119,6 +136,10 @@ class ResponseHandle(Protocol):
     the codec stage's stream id: one name for one response everywhere."""
 
     id: str
+    # Context management, final before the first chunk and before `chunks()` ends or raises: the ids
+    # of the earlier responses whose exchanges (the user turn each answered, and the answer) were
+    # dropped from the history to fit this one, oldest first; () when nothing was dropped.
+    dropped_exchanges: tuple[str, ...]
 
     def chunks(self) -> AsyncIterator[AudioChunk]:
         """The answer's audio, in order, until a chunk with `is_last`; ends early (without `is_last`)
@@ -141,7 +162,13 @@ class Conversation(Protocol):
     def respond(self, response_id: str) -> ResponseHandle:
         """Answer the user's turn (ending it if it is still open). Returns at once; generation starts
         when the previous response, if cancelled and still winding down, has ended. Raises
-        `ResponseInProgress` while another response is generating and not cancelled."""
+        `ResponseInProgress` while another response is generating and not cancelled.
+
+        Every response adds one exchange to the history, its user turn then its answer (cut, empty
+        or failed as it may be), known by the response's id (`dropped_exchanges`).
+        When the prompt and the longest answer would not fit the model's context, the oldest
+        exchanges are dropped first (`ConversationOptions.retention_ratio`); when they cannot be
+        made to fit, the response fails with `ConversationTooLong`."""
 
     def truncate(self, response_id: str, played_ms: float) -> None:
         """The client played only `played_ms` of a finished answer: the history keeps that much.
@@ -160,7 +187,8 @@ class Conversation(Protocol):
         """End the conversation: cancel what runs, free its engine slot. Idempotent."""
 
     @property
-    def history(self) -> list[HistoryTurn]: ...
+    def history(self) -> list[HistoryTurn]:
+        """The turns the next prompt holds (dropped ones are gone), oldest first."""
 
 
 class EngineLike(Protocol):

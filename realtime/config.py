@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
-from engine.service_api import ConversationOptions
+from engine.service_api import DEFAULT_RETENTION_RATIO, ConversationOptions
 from realtime.input_budget import InputLimits
 from realtime.vad import VadParams
 
@@ -86,6 +86,11 @@ class SessionSection:
     seed: int | None = ENGINE_DEFAULTS.seed
     cfg_scale: float = ENGINE_DEFAULTS.cfg_scale
     max_response_ms: float = ENGINE_DEFAULTS.max_response_ms
+    # context management (OpenAI's `truncation`): "auto" drops the oldest exchanges when the next
+    # answer would not fit the model's context, down to `retention_ratio` of it; "disabled" fails
+    # that answer instead (conversation_too_long)
+    truncation: str = "auto"
+    retention_ratio: float = ENGINE_DEFAULTS.retention_ratio or DEFAULT_RETENTION_RATIO
 
     def problems(self) -> list[tuple[str, str]]:
         """The settings the engine would refuse, as (field, why): session.update and the config refuse
@@ -98,6 +103,8 @@ class SessionSection:
             ("seed", self.seed is None or 0 <= self.seed <= MAX_SEED, f"must be within [0, {MAX_SEED}] or null"),
             ("cfg_scale", 0.0 <= self.cfg_scale <= 20.0, "must be within [0, 20]"),
             ("max_response_ms", 0.0 < self.max_response_ms <= 600_000.0, "must be within (0, 600000]"),
+            ("truncation", self.truncation in ("auto", "disabled"), 'must be "auto" or "disabled"'),
+            ("retention_ratio", 0.0 < self.retention_ratio <= 1.0, "must be within (0, 1]"),
         )
         return [(name, why) for name, ok, why in checks if not ok]
 
@@ -105,7 +112,8 @@ class SessionSection:
         """The engine's options for these settings; `voice_pcm`: the server's voices, loaded (name -> 16 kHz PCM)."""
         return ConversationOptions(system_prompt=self.instructions or None, speaker_prompt_pcm=voice_pcm.get(self.voice),
                                    temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-                                   cfg_scale=self.cfg_scale, max_response_ms=self.max_response_ms)
+                                   cfg_scale=self.cfg_scale, max_response_ms=self.max_response_ms,
+                                   retention_ratio=self.retention_ratio if self.truncation == "auto" else None)
 
 
 # Phone calls (8 kHz mu-law, line noise, the caller's speakerphone echoing us): a stricter threshold

@@ -59,6 +59,13 @@ class EngineFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class HistoryDropped:
+    """The engine dropped these earlier responses' exchanges from the history to fit the model's context."""
+
+    response_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class VadReady:
     """The VAD batch ran this session's windows: its waiting audio can be settled."""
 
@@ -80,7 +87,7 @@ class Shutdown:
     message: str
 
 
-Inbound = ClientMessage | TransportAudio | LinkClosed | Attach | EngineChunk | EngineFailed | VadReady | Throttled | Shutdown
+Inbound = ClientMessage | TransportAudio | LinkClosed | Attach | EngineChunk | EngineFailed | HistoryDropped | VadReady | Throttled | Shutdown
 
 
 class CloseReason(Enum):

@@ -29,7 +29,7 @@ from realtime import client_json
 from realtime.config import SessionSection
 from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat, parse_wire_format
 from realtime.session import (
-    InputCleared, InputCommitted, ItemTruncated, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone,
+    InputCleared, InputCommitted, ItemDeleted, ItemTruncated, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone,
     ResponseStatus, ResponseText, Session, SessionError, SpeechStarted, SpeechStopped,
 )
 from realtime.session_input import (
@@ -421,6 +421,9 @@ class RealtimeProtocol:
     def _send_truncated(self, ev: ItemTruncated) -> None:
         self._emit("conversation.item.truncated", item_id=ev.item_id, content_index=0, audio_end_ms=int(ev.audio_end_ms))
 
+    def _send_deleted(self, ev: ItemDeleted) -> None:
+        self._emit("conversation.item.deleted", item_id=ev.item_id)
+
     def _send_done(self, ev: ResponseDone) -> None:
         status = {ResponseStatus.COMPLETED: "completed", ResponseStatus.CANCELLED: "cancelled", ResponseStatus.FAILED: "failed"}[ev.status]
         if ev.status is ResponseStatus.COMPLETED:
@@ -443,7 +446,8 @@ class RealtimeProtocol:
     _SENDERS = {
         SpeechStarted: _send_speech_started, SpeechStopped: _send_speech_stopped, InputCommitted: _send_committed,
         InputCleared: _send_cleared, ResponseCreated: _send_response_created, ResponseAudio: _send_audio,
-        ResponseText: _send_text, OutputCleared: _send_output_cleared, ItemTruncated: _send_truncated, ResponseDone: _send_done,
+        ResponseText: _send_text, OutputCleared: _send_output_cleared, ItemTruncated: _send_truncated, ItemDeleted: _send_deleted,
+        ResponseDone: _send_done,
     }
     _HANDLERS = {
         "session.update": _on_session_update,

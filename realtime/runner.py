@@ -39,7 +39,7 @@ from engine.service_api import AtCapacity, Conversation, ConversationOptions, Re
 from realtime.config import LimitsSection
 from realtime.link import Link
 from realtime.messages import (
-    Attach, ClientMessage, CloseReason, Closing, EngineChunk, EngineFailed, Inbound, LinkClosed, Shutdown,
+    Attach, ClientMessage, CloseReason, Closing, EngineChunk, EngineFailed, HistoryDropped, Inbound, LinkClosed, Shutdown,
     Throttled, TransportAudio, VadReady,
 )
 from realtime.metrics import GatewayMetrics
@@ -502,6 +502,9 @@ class SessionRunner:
                 self._client_input(lambda: self.proto.receive_audio(pcm, now), now)
             case EngineChunk(rid, chunk):
                 self.session.receive_engine_chunk(rid, chunk.pcm, chunk.text_delta, chunk.is_last, chunk.deadline, now)
+            case HistoryDropped(rids):
+                self.session.receive_history_dropped(rids)
+                self.deps.metrics.exchanges_dropped.inc(len(rids))
             case EngineFailed(rid, error):
                 self.session.receive_engine_error(rid, now)
                 self.proto.error(getattr(error, "code", "engine_error"), f"the engine failed this response: {error}")
@@ -558,13 +561,24 @@ class SessionRunner:
                     self.conv.truncate(rid, played_ms)
 
     async def _pump(self, handle: ResponseHandle) -> None:
+        dropped_told = False
+
+        def tell_dropped() -> None:  # the handle's `dropped_exchanges` is final by its first chunk or its end
+            nonlocal dropped_told
+            if not dropped_told and handle.dropped_exchanges:
+                self.inbox.put_server(HistoryDropped(handle.dropped_exchanges))
+            dropped_told = True
+
         try:
             async for chunk in handle.chunks():
+                tell_dropped()
                 self.inbox.put_server(EngineChunk(handle.id, chunk))
+            tell_dropped()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # EngineError, or anything else the engine raised: the session reports it
             log.warning("session %s response %s failed: %s", self.id, handle.id, e)
+            tell_dropped()
             self.inbox.put_server(EngineFailed(handle.id, e))
 
     def _flush(self) -> None:

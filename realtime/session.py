@@ -128,9 +128,16 @@ class ItemTruncated:
     audio_end_ms: float
 
 
+@dataclass(frozen=True)
+class ItemDeleted:
+    """The item left the conversation: the engine dropped its exchange to fit the model's context."""
+
+    item_id: str
+
+
 SessionEvent = (
     SpeechStarted | SpeechStopped | InputCommitted | InputCleared | ResponseCreated | ResponseAudio
-    | ResponseText | ResponseDone | OutputCleared | ItemTruncated
+    | ResponseText | ResponseDone | OutputCleared | ItemTruncated | ItemDeleted
 )
 
 
@@ -239,6 +246,9 @@ class Session:
         self._epoch = 0
         self.response: Response | None = None
         self._assistant_items: dict[str, Response] = {}
+        self._turn_items: list[str] = []  # user items committed since the last response
+        self._exchange_items: dict[str, list[str]] = {}  # response id -> the items of its exchange
+        self._deleted_items: set[str] = set()  # dropped from the history (context management)
         self._pacer = Pacer(RATE_HZ, self.limits.lead_ms)
         self.set_turn_detection(vad)
 
@@ -404,6 +414,7 @@ class Session:
     def _commit(self, speech_end_time: float) -> None:
         item = self._user_item or new_id("item")
         self._commands.append(EndTurn(item))
+        self._turn_items.append(item)
         self._events.append(InputCommitted(item, self._last_item))
         self._last_item, self._user_item, self._pushed_samples = item, None, 0
         self._speech_end_time = speech_end_time
@@ -419,6 +430,9 @@ class Session:
         self._speech_end_time = None
         self.response = r
         self._assistant_items[r.item_id] = r
+        # the engine's history gains one exchange per response: the user turn (what was committed
+        # since the last response) and the answer; it drops them together
+        self._exchange_items[r.id], self._turn_items = [*self._turn_items, r.item_id], []
         self._pacer.reset()
         self.stats.responses += 1
         self._events.append(ResponseCreated(r.id, r.item_id, r.epoch))
@@ -511,8 +525,15 @@ class Session:
             return  # stale: an older response
         r.acked_ms = min(max(0.0, float(played_ms)), 1000.0 * r.sent_samples / RATE_HZ)
 
+    def receive_history_dropped(self, response_ids: tuple[str, ...]) -> None:
+        """The engine dropped these responses' exchanges from the conversation to fit its context."""
+        for rid in response_ids:
+            for item_id in self._exchange_items.pop(rid, ()):
+                self._deleted_items.add(item_id)
+                self._events.append(ItemDeleted(item_id))
+
     def receive_truncate(self, item_id: str, audio_end_ms: float, now: float) -> None:
-        r = self._assistant_items.get(item_id)
+        r = None if item_id in self._deleted_items else self._assistant_items.get(item_id)
         if r is None:
             raise SessionError("item_not_found", f"no assistant item {item_id!r} in this conversation", "item_id")
         if r is not self.response:

@@ -27,6 +27,9 @@ Semantics, from the docstrings of service_api.py, plus the fake's own definite c
   `respond()` reserves the next assistant turn, which appears once the response has ended and keeps
   `min(generated frames, played_ms // 20)` frames (all generated frames if nothing cut it; 0 when
   it never started). Cuts (cancel after the end, `truncate`) only shorten: `min` of the cuts.
+- Context: with `context_exchanges=N` (FakeEngine), `respond()` first drops the oldest exchanges
+  (each response's user turn(s) and answer) so that at most N remain with the new one; the handle's
+  `dropped_exchanges` names them (final at once: the fake knows at `respond()`).
 - `truncate()` of an unknown or older response is ignored (recorded with `applied=False`); of the
   latest one still running, it caps what the history will keep without stopping it.
 """
@@ -123,6 +126,7 @@ class FakeResponseHandle:
         self.generated_samples = 0
         self.error: EngineError | None = None
         self.started_at: float | None = None  # time.monotonic() of the first step
+        self.dropped_exchanges: tuple[str, ...] = ()
         self.plan = conv.plan  # fixed at respond()
         self._cap_frames: int | None = None  # the smallest cut so far (played_ms // 20)
         self._turn = _Turn(Role.ASSISTANT, 0, done=False)
@@ -263,6 +267,7 @@ class FakeConversation:
         self.closed = False
         self.close_calls = 0
         self._turns: list[_Turn] = []
+        self._exchanges: list[FakeResponseHandle] = []  # the responses whose exchanges are in `_turns`
         self._open_user: list[np.ndarray] | None = None  # the user turn being pushed
         self._user_since_answer = False  # a user turn ended since the last respond()
         self._latest: FakeResponseHandle | None = None
@@ -313,10 +318,22 @@ class FakeConversation:
             self._end_turn()
         self._user_since_answer = False
         h = FakeResponseHandle(self, response_id, len(self.handles), prev)
+        h.dropped_exchanges = self._drop_exchanges()
         self._turns.append(h._turn)
+        self._exchanges.append(h)
         self.handles.append(h)
         self._latest = h
         return h
+
+    def _drop_exchanges(self) -> tuple[str, ...]:
+        limit = self.engine.context_exchanges
+        if limit is None or len(self._exchanges) < limit:
+            return ()
+        gone, self._exchanges = self._exchanges[: len(self._exchanges) - limit + 1], self._exchanges[len(self._exchanges) - limit + 1 :]
+        last = gone[-1]._turn
+        cut = next(k for k, t in enumerate(self._turns) if t is last) + 1  # the turns up to its answer
+        del self._turns[:cut]
+        return tuple(h.id for h in gone)
 
     def truncate(self, response_id: str, played_ms: float) -> None:
         self.calls.append(("truncate", response_id, float(played_ms)))
@@ -389,8 +406,10 @@ class FakeEngine:
     """`EngineLike` with a fixed `capacity` of open conversations; see the module docstring."""
 
     def __init__(self, capacity: int = 4, *, answer_ms: float = 1000.0, chunk_ms: float = 80.0, step_s: float = 0.0,
-                 fail_after_chunks: int | None = None, deadline_offset_s: float = 0.5, text: str = "") -> None:
+                 fail_after_chunks: int | None = None, deadline_offset_s: float = 0.5, text: str = "",
+                 context_exchanges: int | None = None) -> None:
         self.capacity = capacity
+        self.context_exchanges = context_exchanges  # None: the history grows without bound
         self.plan = AnswerPlan(answer_ms, chunk_ms, step_s, fail_after_chunks, deadline_offset_s, text)
         self.ready = True
         self.conversations: dict[str, FakeConversation] = {}  # open

@@ -223,6 +223,36 @@ def test_client_cancel_then_truncate_after_completion():
     run(main)
 
 
+def test_exchanges_the_engine_drops_for_its_context_are_deleted_items():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=200, chunk_ms=80, context_exchanges=2))
+        link = MemoryLink()
+        runner = rig.open(link)
+        conv = rig.conv(runner)
+        for k in range(3):  # a committed user turn, then its answer; the third drops the first exchange
+            link.feed(*appends(speech16(0.2, seed=k)), {"type": "input_audio_buffer.commit"}, {"type": "response.create"})
+            await until(lambda: len(link.of("response.done")) == k + 1, f"response.done {k + 1}")
+        user1 = link.of("input_audio_buffer.committed")[0]["item_id"]
+        answer1 = link.of("response.done")[0]["response"]["output"][0]["id"]
+        assert conv.handles[2].dropped_exchanges == (conv.respond_ids[0],)
+        await until(lambda: len(link.of("conversation.item.deleted")) == 2, "two conversation.item.deleted")
+        assert [e["item_id"] for e in link.of("conversation.item.deleted")] == [user1, answer1]
+        events = link.events()  # deleted before the answer that needed the room plays
+        rid3 = conv.respond_ids[2]
+        first_delta3 = next(k for k, e in enumerate(events) if e["type"] == "response.output_audio.delta" and e["response_id"] == rid3)
+        assert max(k for k, e in enumerate(events) if e["type"] == "conversation.item.deleted") < first_delta3
+        assert [t.role for t in conv.history] == [Role.USER, Role.ASSISTANT, Role.USER, Role.ASSISTANT]
+        assert rig.metric("duplex_context_exchanges_dropped_total") == 1.0
+        # the deleted answer is gone: truncating it is refused, the engine is not told
+        link.feed({"type": "conversation.item.truncate", "event_id": "ev_t", "item_id": answer1, "audio_end_ms": 10})
+        await until(lambda: link.of("error"), "an error")
+        assert link.of("error")[0]["error"]["code"] == "item_not_found" and not conv.truncates
+        link.hang_up()
+        await rig.ended(runner)
+
+    run(main)
+
+
 # ---- failures and limits ---------------------------------------------------------------------------------
 
 
