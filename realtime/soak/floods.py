@@ -42,20 +42,24 @@ async def _connect(base: str, token: str, path: str = "/v1/realtime", auth: bool
                                     open_timeout=10, ping_interval=None)
 
 
-async def _drain(ws) -> None:
-    """Read (and drop) what the server sends, so the flood is about input, not a slow reader."""
+async def _drain(ws, errors: dict[str, int]) -> None:
+    """Read what the server sends (counting its error codes), so the flood is about input, not a slow reader."""
     try:
-        async for _ in ws:
-            pass
+        async for m in ws:
+            if isinstance(m, str) and '"error"' in m:
+                ev = json.loads(m)
+                if ev.get("type") == "error":
+                    code = ev["error"].get("code") or "?"
+                    errors[code] = errors.get(code, 0) + 1
     except Exception:
         pass
 
 
-async def _send_until(ws, message: str | bytes, until: float) -> tuple[int, str]:
+async def _send_until(ws, message: str | bytes, until: float, errors: dict[str, int]) -> tuple[int, str]:
     import websockets
 
     sent = 0
-    reader = asyncio.create_task(_drain(ws))
+    reader = asyncio.create_task(_drain(ws, errors))
     try:
         while time.monotonic() < until:
             await ws.send(message)
@@ -85,8 +89,9 @@ async def flood(kind: str, base: str, token: str, seconds: float) -> dict:
             message = json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[:190_000]).decode()})
         else:
             message = json.dumps({"type": "input_audio_buffer.clear"})
-        sent, outcome = await _send_until(ws, message, until)
-        return {"messages_sent": sent, "outcome": outcome}
+        errors: dict[str, int] = {}
+        sent, outcome = await _send_until(ws, message, until, errors)
+        return {"messages_sent": sent, "outcome": outcome, "errors": errors}
     if kind == "twilio_before_start":
         # unauthenticated sockets sending 2 MB before `start`, ten at a time, again and again
         big = json.dumps({"event": "connected", "protocol": "Call", "padding": "x" * 2_000_000})

@@ -76,6 +76,24 @@ def accounting(records: list[CallerRecord], before: dict, after: dict) -> dict:
             "frames_unaccounted": int(sent - consumed - dropped - rejected - refused)}
 
 
+def memory_growth(timeline: list[dict], baseline_s: float = 300.0) -> dict | None:
+    """The server's resident memory at `baseline_s` into the run (after the first 5 minutes: caches and
+    pools have filled) and at its end, the gateway and the engine core apart (rss_tree - rss: vLLM's
+    engine-core process), and the growth between. None for a run shorter than twice the baseline."""
+    rows = [r for r in timeline if "rss_mib" in r and "rss_tree_mib" in r]
+    if not rows or rows[-1]["t"] < 2 * baseline_s:
+        return None
+    base = min(rows, key=lambda r: abs(r["t"] - baseline_s))
+    end = rows[-1]
+
+    def part(r: dict) -> dict:
+        return {"t": r["t"], "gateway_mib": round(r["rss_mib"], 1), "engine_mib": round(r["rss_tree_mib"] - r["rss_mib"], 1)}
+
+    b, e = part(base), part(end)
+    return {"baseline": b, "end": e, "gateway_growth": round(e["gateway_mib"] / b["gateway_mib"] - 1, 4),
+            "engine_growth": round(e["engine_mib"] / b["engine_mib"] - 1, 4) if b["engine_mib"] > 0 else None}
+
+
 def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, timeline: list[dict], t0: float,
                  final_health: dict, server_exit: int | None, server_log: Path | None) -> Path:
     by_transport = {}
@@ -99,6 +117,7 @@ def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, ti
                                      if k.split("{")[0].endswith("_total") or "_refused" in k},
                    "healthy_after": bool(final_health.get("ready")), "exit_code": server_exit,
                    "log": str(server_log) if server_log else None},
+        "memory": memory_growth(timeline),
         "timeline": timeline,
         "late_chunks": [(round(t - t0, 3), round(late, 1)) for r in records for a in r.answers for t, late in a.playout.late_at],
         "callers": [{k: v for k, v in asdict(r).items() if k != "answers"} | {"answers": len(r.answers)} for r in records],
@@ -123,6 +142,11 @@ def summary_lines(report: dict) -> str:
         share = "-" if s["chunks_on_time_share"] is None else f"{100 * s['chunks_on_time_share']:.1f}%"
         lines.append(f"  {name:9s} ttfa p50/95/99 {f(s['ttfa_ms'])} ms  mouth-to-ear {f(s['mouth_to_ear_ms'])} ms  "
                      f"chunks on time {share} of {s['chunks']}  underruns {s['underruns']}  errors {s['errors'] or 0}")
+    if (m := report.get("memory")) is not None:
+        b, e = m["baseline"], m["end"]
+        eng = "-" if m["engine_growth"] is None else f"{100 * m['engine_growth']:+.1f}%"
+        lines.append(f"RSS at {b['t']:.0f} s -> {e['t']:.0f} s: gateway {b['gateway_mib']:.0f} -> {e['gateway_mib']:.0f} MiB "
+                     f"({100 * m['gateway_growth']:+.1f}%), engine {b['engine_mib']:.0f} -> {e['engine_mib']:.0f} MiB ({eng})")
     a = report["accounting"]
     lines.append(f"frames sent {a['frames_sent']}, unaccounted {a['frames_unaccounted']}; server healthy after: {report['server']['healthy_after']}")
     return "\n".join(lines)

@@ -68,7 +68,11 @@ def test_fault_runs_leave_the_server_and_the_witness_unharmed(tmp_path, tiny_mod
     # docs/soak.md: timing is not asserted here)
     floods = report["floods"]["floods"]
     for kind in ("dtx_opus", "big_appends"):
-        assert "input_rate_exceeded" in floods[kind]["client"]["outcome"] or "slow client" in floods[kind]["client"]["outcome"], floods[kind]
+        # the budget refused its input (an error at most once a second); closed 1008 if the flood outlasted
+        # the burst allowance and overrun_close_s, else it ended first (its length is the machine's speed)
+        client = floods[kind]["client"]
+        assert client["outcome"] == "flood ended" or client["outcome"].startswith("closed 1008"), floods[kind]
+        assert client["errors"].get("input_rate_exceeded", 0) >= 1 or "budget" in client["outcome"], floods[kind]
     assert floods["vanish_idle"]["client"]["refused"] == 0 and floods["vanish_idle"]["client"]["admitted"] >= 10
     assert set(floods["twilio_before_start"]["client"]["outcomes"]) == {"ConnectionClosedError"}
     assert report["floods"]["witness"]["lost"] is None and report["floods"]["witness"]["errors"] == []
