@@ -384,11 +384,13 @@ class Session:
         self._pushed_samples += pcm.size
 
     def _on_speech_started(self, audio_start_ms: float, now: float) -> None:
+        # OpenAI's order: speech_started first, then the interrupted answer's cleared / response.done,
+        # so a client's own interruption logic still finds that answer in progress.
+        self._user_item = new_id("item")
+        self._events.append(SpeechStarted(self._user_item, audio_start_ms))
         if self.response is not None and not self.response.status.finished and self.vad_params.interrupt_response:
             self._interrupt("turn_detected", now)
             self.stats.barge_ins += 1
-        self._user_item = new_id("item")
-        self._events.append(SpeechStarted(self._user_item, audio_start_ms))
         recent = np.concatenate(self._recent) if self._recent else np.zeros(0, np.int16)
         start_sample = int(audio_start_ms * RATE_HZ / 1000) - (self._input_samples - recent.size)
         self._push(recent[max(0, start_sample):])

@@ -135,7 +135,7 @@ def test_barge_in_cancels_clears_and_truncates_to_acked_ms(speech):
     cancels = [x for x in c.commands if isinstance(x, CancelResponse)]
     assert cancels == [CancelResponse(rid, 240.0)]
     t = c.types()
-    assert t.index("output_audio_buffer.cleared") < t.index("response.done") < t.index("input_audio_buffer.speech_started")
+    assert t.index("input_audio_buffer.speech_started") < t.index("output_audio_buffer.cleared") < t.index("response.done")
     done = next(e for e in c.sent if e["type"] == "response.done")
     assert done["response"]["status"] == "cancelled" and done["response"]["status_details"]["reason"] == "turn_detected"
     assert c.session.stats.barge_ins == 1
