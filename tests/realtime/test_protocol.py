@@ -19,9 +19,9 @@ from realtime.vad import VadParams
 class Client:
     """Drives a protocol machine like a socket would, on a simulated monotonic clock."""
 
-    def __init__(self, vad: VadParams | None = VadParams(silence_duration_ms=300)) -> None:
+    def __init__(self, vad: VadParams | None = VadParams(silence_duration_ms=300), extensions: bool = True) -> None:
         self.session = Session("sess_test", vad, SessionLimits(output_frame_ms=40, lead_ms=100))
-        self.proto = RealtimeProtocol(self.session)
+        self.proto = RealtimeProtocol(self.session, extensions=extensions)  # most tests look at our additions too
         self.now = 100.0
         self.sent: list = []
         self.commands: list = []
@@ -77,7 +77,7 @@ def test_open_and_session_update_roundtrip():
     upd = c.sent[-1]
     assert upd["type"] == "session.updated"
     s = upd["session"]
-    assert s["audio"]["input"] == {"format": {"type": "audio/pcmu"}, "turn_detection": None}
+    assert s["audio"]["input"] == {"format": {"type": "audio/pcmu"}, "turn_detection": None, "transcription": None, "noise_reduction": None}
     assert s["audio"]["output"]["format"] == {"type": "audio/opus"} and s["instructions"] == "be brief"
     assert c.proto.settings.top_k == 5 and c.proto.settings.seed == 3 and c.proto.settings_changed
     assert not c.session.vad_enabled
@@ -193,8 +193,8 @@ def test_manual_turns_commit_create_cancel_truncate():
     ({"type": "conversation.item.truncate", "item_id": "nope", "audio_end_ms": 10}, "item_not_found", "item_id"),
     ({"type": "conversation.item.truncate", "item_id": "x", "audio_end_ms": "10"}, "invalid_type", "audio_end_ms"),
     ({"type": "response.cancel"}, "response_cancel_not_active", None),
-    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}, "invalid_value", "session.audio.format"),
-    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}}, "invalid_value", "session.audio.input.turn_detection.type"),
+    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}, "invalid_value", "session.audio.input.format"),
+    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "magic_vad"}}}}}, "invalid_value", "session.audio.input.turn_detection.type"),
     ({"type": "session.update", "session": {"temperature": "hot"}}, "invalid_type", "session.temperature"),
     ({"type": "output_audio_buffer.played", "played_ms": True}, "invalid_type", "played_ms"),
 ])
