@@ -104,7 +104,7 @@ def _formats(upd: SessionUpdate, cfg: dict, inp: dict, out: dict) -> None:
                 upd.changes[key] = parse_wire_format(obj.get("format", cfg.get(flat)))
             except ValueError as e:
                 param = f"session.audio.{side}.format"
-                upd.refused.append(ClientError("invalid_value", str(e), param))
+                upd.refused.append(ClientError("invalid_value", f"'{param}': {e}", param))
 
 
 def _turn_detection(upd: SessionUpdate, td, current: VadParams | None) -> None:
