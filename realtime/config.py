@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
@@ -71,6 +71,9 @@ MAX_SEED = 2**63 - 1
 MAX_TOP_K = 1_000_000  # beyond any vocabulary: the same as no top-k
 
 
+TRUNCATION_MODES = ("auto", "disabled", "retention_ratio")
+
+
 @dataclass(frozen=True)
 class SessionSection:
     """Defaults of a new session's settings: the base of `realtime.protocol.SessionSettings`, which
@@ -88,7 +91,8 @@ class SessionSection:
     max_response_ms: float = ENGINE_DEFAULTS.max_response_ms
     # context management (OpenAI's `truncation`): "auto" drops the oldest exchanges when the next
     # answer would not fit the model's context, down to `retention_ratio` of it; "disabled" fails
-    # that answer instead (conversation_too_long)
+    # that answer instead (conversation_too_long); "retention_ratio": "auto" with a ratio the client
+    # chose (session.update's {"type": "retention_ratio", ...}, echoed back in that shape)
     truncation: str = "auto"
     retention_ratio: float = ENGINE_DEFAULTS.retention_ratio or DEFAULT_RETENTION_RATIO
 
@@ -103,7 +107,7 @@ class SessionSection:
             ("seed", self.seed is None or 0 <= self.seed <= MAX_SEED, f"must be within [0, {MAX_SEED}] or null"),
             ("cfg_scale", 0.0 <= self.cfg_scale <= 20.0, "must be within [0, 20]"),
             ("max_response_ms", 0.0 < self.max_response_ms <= 600_000.0, "must be within (0, 600000]"),
-            ("truncation", self.truncation in ("auto", "disabled"), 'must be "auto" or "disabled"'),
+            ("truncation", self.truncation in TRUNCATION_MODES, f"must be one of {', '.join(TRUNCATION_MODES)}"),
             ("retention_ratio", 0.0 < self.retention_ratio <= 1.0, "must be within (0, 1]"),
         )
         return [(name, why) for name, ok, why in checks if not ok]
@@ -113,7 +117,12 @@ class SessionSection:
         return ConversationOptions(system_prompt=self.instructions or None, speaker_prompt_pcm=voice_pcm.get(self.voice),
                                    temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
                                    cfg_scale=self.cfg_scale, max_response_ms=self.max_response_ms,
-                                   retention_ratio=self.retention_ratio if self.truncation == "auto" else None)
+                                   retention_ratio=None if self.truncation == "disabled" else self.retention_ratio)
+
+
+# The session settings the engine's options are made of (all but the server's voice table): a change
+# to any of them must reach the conversation.
+ENGINE_KEYS = tuple(f.name for f in fields(SessionSection) if f.name != "voices")
 
 
 # Phone calls (8 kHz mu-law, line noise, the caller's speakerphone echoing us): a stricter threshold

@@ -26,17 +26,21 @@ from dataclasses import dataclass, field, fields, replace
 
 from engine.service_api import ConversationOptions
 from realtime import client_json
-from realtime.config import SessionSection
+from realtime.config import ENGINE_KEYS, SessionSection
 from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat, parse_wire_format
 from realtime.session import (
     InputCleared, InputCommitted, ItemDeleted, ItemTruncated, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone,
-    ResponseStatus, ResponseText, Session, SessionError, SpeechStarted, SpeechStopped,
+    ResponseStatus, ResponseText, Session, SessionError, SpeechStarted, SpeechStopped, UserItemAdded, new_id,
 )
 from realtime.session_input import (
-    AudioIn, CancelRequested, ClearInput, ClearOutput, CommitInput, CreateResponse, Played,
+    AddUserAudio, AudioIn, CancelRequested, ClearInput, ClearOutput, CommitInput, CreateResponse, Played,
     SessionInput, SetTurnDetection, TruncateItem,
 )
 from realtime.vad import VadParams
+from realtime.conversation_items import ConversationItems, Item, parse_new_item
+from realtime.response_request import parse_response_request
+from realtime.session_update import echo_turn_detection, parse_session_update
+from realtime.wire_fields import ClientError, get_field as _get, number as _number
 
 BINARY_OPUS = 0x01  # first byte of a binary frame carrying one Opus packet
 _EPOCH = struct.Struct("<I")
@@ -81,43 +85,18 @@ class SessionSettings(SessionSection):
         return super().engine_options(self.voice_pcm)
 
 
-class ClientError(Exception):
-    def __init__(self, code: str, message: str, param: str | None = None, error_type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.code, self.message, self.param, self.error_type = code, message, param, error_type
-
-
-def _get(obj: dict, key: str, types: type | tuple, *, required: bool = False, prefix: str = ""):
-    if key not in obj or obj[key] is None and not required:
-        if required:
-            raise ClientError("missing_required_parameter", f"missing required parameter '{prefix}{key}'", prefix + key)
-        return None
-    value = obj[key]
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        value = None  # bool is an int in Python; never accept it as a number
-    if value is None or not isinstance(value, types):
-        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
-        raise ClientError("invalid_type", f"'{prefix}{key}' must be of type {names}", prefix + key)
-    return value
-
-
-def _number(obj: dict, key: str, lo: float, hi: float, *, integer: bool = False, required: bool = False,
-            prefix: str = "") -> float | int | None:
-    """A number within [lo, hi] (client_json already refused NaN, infinities and huge literals)."""
-    value = _get(obj, key, int if integer else (int, float), required=required, prefix=prefix)
-    if value is not None and not lo <= value <= hi:
-        raise ClientError("invalid_value", f"'{prefix}{key}' must be within [{lo:g}, {hi:g}], got {value:g}", prefix + key)
-    return value
-
-
 _MAX_MS = 24 * 3600 * 1000.0  # a day of audio: beyond any answer's or turn's length
 
 
 class RealtimeProtocol:
     def __init__(self, session: Session, limits: ProtocolLimits | None = None, settings: SessionSettings | None = None,
-                 opus: OpusOutput | None = None, resume: ResumeOffer | None = None, audio_out_of_band: bool = False) -> None:
+                 opus: OpusOutput | None = None, resume: ResumeOffer | None = None, audio_out_of_band: bool = False,
+                 extensions: bool = False) -> None:
         """`audio_out_of_band`: the answer's audio does not travel in events (WebRTC: the transport plays it
-        on its media track); each answer's audio is bracketed by output_audio_buffer.started/stopped."""
+        on its media track); each answer's audio is bracketed by output_audio_buffer.started/stopped.
+        `extensions`: the client opted in to our additions from the start (`?duplex=1`); else a
+        `duplex` field in session.update opts in. Until then it sees only Realtime API events and fields."""
+        self.extensions = extensions
         self.opus = opus or OpusOutput()
         self.resume = resume
         self.audio_out_of_band = audio_out_of_band
@@ -125,6 +104,7 @@ class RealtimeProtocol:
         self.session = session  # the runner's: this machine reads only its id, pacing lead and first turn detection
         self.session_id, self.lead_ms, self.frame_ms = session.id, session.limits.lead_ms, session.limits.output_frame_ms
         self.turn_detection: VadParams | None = session.vad_params  # as the client last set it
+        self._turn_detection_wire: dict | None = None  # semantic_vad as the client asked it (echoed back)
         self.limits = limits or ProtocolLimits()
         self.settings = settings or SessionSettings()
         self.settings_changed = False  # set by session.update when the engine's options changed
@@ -137,6 +117,10 @@ class RealtimeProtocol:
         self._opus_decoder: InputDecoder | None = None
         self._encoder = self._make_encoder()
         self._audio_started = False  # output audio was sent: the voice is now fixed
+        self._items = ConversationItems()  # for conversation.item.retrieve / delete
+        self._pending_items: dict[str, Item] = {}  # user audio items waiting for the session to take them
+        self._last_item_id: str | None = None
+        self._initial_config: dict | None = None
 
     # ---- outputs ----
     def data_to_send(self) -> list[str | bytes]:
@@ -149,6 +133,7 @@ class RealtimeProtocol:
         return out
 
     def input_refused(self, error: SessionError, event_id: str | None) -> None:
+        self._pending_items.clear()  # a refused user item is not in the conversation
         self._error(error, event_id)
 
     def _emit(self, event_type: str, **fields) -> None:
@@ -168,8 +153,20 @@ class RealtimeProtocol:
         self._error(ClientError(code, message, None, error_type), None)
 
     def open(self) -> None:
-        extra = {} if self.resume is None else {"resume_token": self.resume.token, "resume_grace_s": self.resume.grace_s}
-        self._emit("session.created", session=self._session_object(), **extra)
+        refused: list[ClientError] = []
+        if self._initial_config is not None:
+            refused, _ = self._apply_update(self._initial_config, None)
+        self._emit("session.created", session=self._session_object(), **(self._resume_fields() if self.extensions else {}))
+        if refused:
+            self._error(_one_error(refused), None)
+
+    def _resume_fields(self) -> dict:
+        return {} if self.resume is None else {"resume_token": self.resume.token, "resume_grace_s": self.resume.grace_s}
+
+    @property
+    def resumable(self) -> bool:
+        """The client was given a resume token: a lost connection is worth keeping the session for."""
+        return self.resume is not None and self.extensions
 
     def playback_stopped(self, response_id: str) -> None:
         """Out of band: the transport has played all of this answer's audio."""
@@ -182,13 +179,13 @@ class RealtimeProtocol:
                            "last_seq": last_seq, "replayed": replayed, "missed": missed}, separators=(",", ":"))
 
     def engine_options(self) -> ConversationOptions:
-        return self.settings.engine_options()
+        return replace(self.settings, instructions=self._instructions()).engine_options()
 
     def take_engine_options(self) -> ConversationOptions | None:
         if not self.settings_changed:
             return None
         self.settings_changed = False
-        return self.settings.engine_options()
+        return self.engine_options()
 
     # ---- client input ----
     def receive(self, message: str | bytes, now: float) -> None:
@@ -260,8 +257,39 @@ class RealtimeProtocol:
         self._inputs.append(ClearInput(_event_id(ev)))
 
     def _on_response_create(self, ev: dict, now: float) -> None:
-        _get(ev, "response", dict)
-        self._inputs.append(CreateResponse(_event_id(ev)))
+        req = parse_response_request(_get(ev, "response", dict), self._instructions(), self.settings.voice, self.settings.temperature)
+        self._inputs.append(CreateResponse(_event_id(ev), req.metadata))
+
+    # ---- conversation items ----
+    def _on_item_create(self, ev: dict, now: float) -> None:
+        new = parse_new_item(ev, self.settings.input_format, new_id)
+        if new.item.id in self._items or new.item.id in self._pending_items:
+            raise ClientError("item_already_exists", f"an item {new.item.id!r} already exists", "item.id")
+        if new.pcm is not None:  # a user turn: the session adds it (or refuses it: a turn or answer in progress)
+            self._pending_items[new.item.id] = new.item
+            self._inputs.append(AddUserAudio(new.item.id, new.pcm, _event_id(ev)))
+            return
+        self._items.put(new.item)  # text only: kept here; the model has no text input yet (issue 21)
+        if new.item.role == "system":
+            self.settings_changed = True  # its text joins the instructions
+        prev = new.previous_item_id or self._last_item_id
+        self._last_item_id = new.item.id
+        self._emit("conversation.item.added", previous_item_id=prev, item=new.item.wire())
+        self._emit("conversation.item.done", previous_item_id=prev, item=new.item.wire())
+
+    def _on_item_retrieve(self, ev: dict, now: float) -> None:
+        item = self._items.get(_get(ev, "item_id", str, required=True))
+        self._emit("conversation.item.retrieved", item=item.wire())
+
+    def _on_item_delete(self, ev: dict, now: float) -> None:
+        item = self._items.delete(_get(ev, "item_id", str, required=True))
+        if item.role == "system":
+            self.settings_changed = True
+        self._emit("conversation.item.deleted", item_id=item.id)
+
+    def _instructions(self) -> str:
+        """The session's instructions with the system messages' text after them."""
+        return "\n".join(t for t in (self.settings.instructions, self._items.system_text()) if t)
 
     def _on_response_cancel(self, ev: dict, now: float) -> None:
         self._inputs.append(CancelRequested(_get(ev, "response_id", str), _event_id(ev)))
@@ -284,76 +312,33 @@ class RealtimeProtocol:
 
     def _on_session_update(self, ev: dict, now: float) -> None:
         cfg = _get(ev, "session", dict, required=True)
-        changes: dict = {}
-        vad_change = _UNSET = object()
-        audio = _get(cfg, "audio", dict, prefix="session.") or {}
-        inp = _get(audio, "input", dict, prefix="session.audio.") or {}
-        out = _get(audio, "output", dict, prefix="session.audio.") or {}
-        try:
-            if "format" in inp or "input_audio_format" in cfg:
-                changes["input_format"] = parse_wire_format(inp.get("format", cfg.get("input_audio_format")))
-            if "format" in out or "output_audio_format" in cfg:
-                changes["output_format"] = parse_wire_format(out.get("format", cfg.get("output_audio_format")))
-        except ValueError as e:
-            raise ClientError("invalid_value", str(e), "session.audio.format") from None
-        if "turn_detection" in inp or "turn_detection" in cfg:
-            vad_change = self._parse_turn_detection(inp["turn_detection"] if "turn_detection" in inp else cfg["turn_detection"])
-        voice = out.get("voice", cfg.get("voice"))
-        if voice is not None:
-            if not isinstance(voice, str):
-                raise ClientError("invalid_type", "'session.audio.output.voice' must be a string", "session.audio.output.voice")
-            if self._audio_started and voice != self.settings.voice:
-                raise ClientError("invalid_value", "the voice cannot change once audio has been output", "session.audio.output.voice")
-            changes["voice"] = voice
-        if (instr := _get(cfg, "instructions", str, prefix="session.")) is not None:
-            changes["instructions"] = instr
-        if (model := _get(cfg, "model", str, prefix="session.")) is not None:
-            changes["model"] = model
-        if (temp := _get(cfg, "temperature", (int, float), prefix="session.")) is not None:
-            changes["temperature"] = float(temp)
-        ours = _get(cfg, "duplex", dict, prefix="session.") or {}
-        for key, types in (("top_k", int), ("top_p", (int, float)), ("seed", int), ("cfg_scale", (int, float)), ("max_response_ms", (int, float))):
-            if (v := _get(ours, key, types, prefix="session.duplex.")) is not None:
-                changes[key] = v
-        s = replace(self.settings, **changes)
-        for name, why in s.problems():
-            param = f"session.{name}" if name == "temperature" else f"session.duplex.{name}"
-            raise ClientError("invalid_value", f"'{param}' {why}", param)
-        # All validated: apply.
-        if vad_change is not _UNSET:
-            self.turn_detection = vad_change
-            self._inputs.append(SetTurnDetection(vad_change, _event_id(ev)))
+        refused, opted_in_now = self._apply_update(cfg, _event_id(ev))
+        if refused:  # one error naming every refused field (bad input gets one error); the valid fields still apply
+            self._error(_one_error(refused), _event_id(ev))
+        # A client that opts in after session.created learns its resume token here.
+        self._emit("session.updated", session=self._session_object(), **(self._resume_fields() if opted_in_now else {}))
+
+    def preconfigure(self, cfg: dict) -> None:
+        """A session config given with the connection (WebRTC's `calls.create(session=...)`): applied like a
+        session.update when the session opens; session.created shows it, its refused fields follow as errors."""
+        self._initial_config = cfg
+
+    def _apply_update(self, cfg: dict, event_id: str | None) -> tuple[list[ClientError], bool]:
+        upd = parse_session_update(cfg, self.settings, self.turn_detection, self._audio_started)
+        opted_in_now = upd.opted_in and not self.extensions
+        self.extensions |= upd.opted_in
+        if upd.turn_detection_changed:
+            self.turn_detection, self._turn_detection_wire = upd.turn_detection, upd.turn_detection_wire
+            self._inputs.append(SetTurnDetection(upd.turn_detection, event_id))
+        s = replace(self.settings, **upd.changes)
         if s.input_format != self.settings.input_format:
             self._decoder = InputDecoder(s.input_format)
-        engine_keys = ("instructions", "voice", "temperature", "top_k", "top_p", "seed", "cfg_scale", "max_response_ms")
-        self.settings_changed |= any(getattr(s, k) != getattr(self.settings, k) for k in engine_keys)
+        self.settings_changed |= any(getattr(s, k) != getattr(self.settings, k) for k in ENGINE_KEYS)
         output_changed = s.output_format != self.settings.output_format
         self.settings = s
         if output_changed:
             self._encoder = self._make_encoder()
-        self._emit("session.updated", session=self._session_object())
-
-    def _parse_turn_detection(self, td) -> VadParams | None:
-        if td is None:
-            return None
-        if not isinstance(td, dict):
-            raise ClientError("invalid_type", "'turn_detection' must be an object or null", "session.audio.input.turn_detection")
-        p = "session.audio.input.turn_detection."
-        kind = _get(td, "type", str, prefix=p) or "server_vad"
-        if kind != "server_vad":
-            raise ClientError("invalid_value", f"turn_detection type {kind!r} is not supported (server_vad or null)", p + "type")
-        cur = self.turn_detection or VadParams()
-        kw = {}
-        for key, types in (("threshold", (int, float)), ("prefix_padding_ms", int), ("silence_duration_ms", int),
-                           ("create_response", bool), ("interrupt_response", bool), ("min_speech_ms", int)):
-            if (v := _get(td, key, types, prefix=p)) is not None:
-                kw[key] = v
-        params = replace(cur, **kw)
-        try:
-            params.validate()
-        except ValueError as e:
-            raise ClientError("invalid_value", str(e), p + str(e).split()[0].split(".")[-1]) from None
-        return params
+        return upd.refused, opted_in_now
 
     # ---- session events -> server events ----
     def send_session_events(self, events: list) -> None:
@@ -374,18 +359,28 @@ class RealtimeProtocol:
 
     def _send_committed(self, ev: InputCommitted) -> None:
         self._emit("input_audio_buffer.committed", previous_item_id=ev.previous_item_id, item_id=ev.item_id)
-        item = {"id": ev.item_id, "object": "realtime.item", "type": "message", "status": "completed", "role": "user",
-                "content": [{"type": "input_audio", "transcript": None}]}
-        self._emit("conversation.item.added", previous_item_id=ev.previous_item_id, item=item)
-        self._emit("conversation.item.done", previous_item_id=ev.previous_item_id, item=item)
+        item = Item(ev.item_id, "user", [{"type": "input_audio", "transcript": None}], in_engine=True)
+        self._add_item(item, ev.previous_item_id)
+
+    def _send_user_item(self, ev: UserItemAdded) -> None:
+        self._add_item(self._pending_items.pop(ev.item_id), ev.previous_item_id)
+
+    def _add_item(self, item: Item, previous_item_id: str | None) -> None:
+        self._items.put(item)
+        self._last_item_id = item.id
+        self._emit("conversation.item.added", previous_item_id=previous_item_id, item=item.wire())
+        self._emit("conversation.item.done", previous_item_id=previous_item_id, item=item.wire())
 
     def _send_cleared(self, ev: InputCleared) -> None:
         self._emit("input_audio_buffer.cleared")
 
     def _send_response_created(self, ev: ResponseCreated) -> None:
         self._encoder.reset()
-        self._emit("response.created", response=self._response_object(ev.response_id, "in_progress", None, []), epoch=ev.epoch)
+        self._emit("response.created", response=self._response_object(ev.response_id, "in_progress", None, [], ev.metadata),
+                   **self._ours(epoch=ev.epoch))
         item = self._assistant_item(ev.item_id, "in_progress", "")
+        self._items.put(Item(ev.item_id, "assistant", item["content"], in_engine=True, status="in_progress"))
+        self._last_item_id = ev.item_id
         self._emit("response.output_item.added", response_id=ev.response_id, output_index=0, item=item)
         self._emit("conversation.item.added", previous_item_id=None, item=item)
         self._emit("response.content_part.added", response_id=ev.response_id, item_id=ev.item_id, output_index=0,
@@ -396,7 +391,7 @@ class RealtimeProtocol:
         if self.audio_out_of_band and self._audio_started_for != ev.response_id:
             self._audio_started_for = ev.response_id
             self._emit("output_audio_buffer.started", response_id=ev.response_id)
-        if ev.ttfa_ms is not None or ev.start_ms == 0:
+        if self.extensions and (ev.ttfa_ms is not None or ev.start_ms == 0):
             self._emit("duplex.latency", response_id=ev.response_id, epoch=ev.epoch, mark="first_audio",
                        ttfa_ms=None if ev.ttfa_ms is None else round(ev.ttfa_ms, 1))
         self._send_frames(ev.response_id, ev.item_id, ev.epoch, self._encoder.encode(ev.pcm))
@@ -408,7 +403,7 @@ class RealtimeProtocol:
             return
         for f in frames:
             self._emit("response.output_audio.delta", response_id=response_id, item_id=item_id, output_index=0,
-                       content_index=0, delta=base64.b64encode(f).decode("ascii"), epoch=epoch)
+                       content_index=0, delta=base64.b64encode(f).decode("ascii"), **self._ours(epoch=epoch))
 
     def _send_text(self, ev: ResponseText) -> None:
         self._emit("response.output_audio_transcript.delta", response_id=ev.response_id, item_id=ev.item_id,
@@ -422,6 +417,7 @@ class RealtimeProtocol:
         self._emit("conversation.item.truncated", item_id=ev.item_id, content_index=0, audio_end_ms=int(ev.audio_end_ms))
 
     def _send_deleted(self, ev: ItemDeleted) -> None:
+        self._items.forget(ev.item_id)
         self._emit("conversation.item.deleted", item_id=ev.item_id)
 
     def _send_done(self, ev: ResponseDone) -> None:
@@ -435,17 +431,19 @@ class RealtimeProtocol:
                        content_index=0, part={"type": "audio", "transcript": ev.transcript})
         item_status = "completed" if ev.status is ResponseStatus.COMPLETED else "incomplete"
         item = self._assistant_item(ev.item_id, item_status, ev.transcript)
+        self._items.put(Item(ev.item_id, "assistant", item["content"], in_engine=True, status=item_status))
         self._emit("response.output_item.done", response_id=ev.response_id, output_index=0, item=item)
         self._emit("conversation.item.done", previous_item_id=None, item=item)
         details = None if ev.reason is None else {"type": status, "reason": ev.reason}
-        resp = self._response_object(ev.response_id, status, details, [item])
-        resp["duplex"] = {"epoch": ev.epoch, "audio_ms": round(ev.audio_ms, 1), "played_ms": round(ev.played_ms, 1),
-                          "ttfa_ms": None if ev.ttfa_ms is None else round(ev.ttfa_ms, 1)}
+        resp = self._response_object(ev.response_id, status, details, [item], ev.metadata)
+        if self.extensions:
+            resp["duplex"] = {"epoch": ev.epoch, "audio_ms": round(ev.audio_ms, 1), "played_ms": round(ev.played_ms, 1),
+                              "ttfa_ms": None if ev.ttfa_ms is None else round(ev.ttfa_ms, 1)}
         self._emit("response.done", response=resp)
 
     _SENDERS = {
         SpeechStarted: _send_speech_started, SpeechStopped: _send_speech_stopped, InputCommitted: _send_committed,
-        InputCleared: _send_cleared, ResponseCreated: _send_response_created, ResponseAudio: _send_audio,
+        InputCleared: _send_cleared, UserItemAdded: _send_user_item, ResponseCreated: _send_response_created, ResponseAudio: _send_audio,
         ResponseText: _send_text, OutputCleared: _send_output_cleared, ItemTruncated: _send_truncated, ItemDeleted: _send_deleted,
         ResponseDone: _send_done,
     }
@@ -457,38 +455,51 @@ class RealtimeProtocol:
         "response.create": _on_response_create,
         "response.cancel": _on_response_cancel,
         "conversation.item.truncate": _on_truncate,
+        "conversation.item.create": _on_item_create,
+        "conversation.item.retrieve": _on_item_retrieve,
+        "conversation.item.delete": _on_item_delete,
         "output_audio_buffer.clear": _on_output_clear,
         "output_audio_buffer.played": _on_played,
     }
 
     # ---- wire objects ----
     def _session_object(self) -> dict:
-        s, vad = self.settings, self.turn_detection
-        td = None if vad is None else {
-            "type": "server_vad", "threshold": vad.threshold, "prefix_padding_ms": vad.prefix_padding_ms,
-            "silence_duration_ms": vad.silence_duration_ms, "create_response": vad.create_response,
-            "interrupt_response": vad.interrupt_response, "min_speech_ms": vad.min_speech_ms,
-        }
-        return {
+        s = self.settings
+        obj = {
             "type": "realtime", "object": "realtime.session", "id": self.session_id, "model": s.model,
             "output_modalities": ["audio"], "instructions": s.instructions,
-            "audio": {"input": {"format": s.input_format.to_wire(), "turn_detection": td},
-                      "output": {"format": s.output_format.to_wire(), "voice": s.voice}},
-            "duplex": {"top_k": s.top_k, "top_p": s.top_p, "seed": s.seed, "cfg_scale": s.cfg_scale,
-                       "temperature": s.temperature, "max_response_ms": s.max_response_ms,
-                       "lead_ms": self.lead_ms, "binary_opus": True, "voices": ["default", *s.voice_pcm]},
+            "audio": {"input": {"format": s.input_format.to_wire(), "transcription": None, "noise_reduction": None,
+                                "turn_detection": echo_turn_detection(self.turn_detection, self._turn_detection_wire, self.extensions)},
+                      "output": {"format": s.output_format.to_wire(), "voice": s.voice, "speed": 1.0}},
+            "tools": [], "tool_choice": "auto", "max_output_tokens": "inf", "tracing": None, "truncation": self._truncation_wire(),
+            "prompt": None, "include": None,
         }
+        if self.extensions:
+            obj["duplex"] = {"top_k": s.top_k, "top_p": s.top_p, "seed": s.seed, "cfg_scale": s.cfg_scale,
+                             "temperature": s.temperature, "max_response_ms": s.max_response_ms,
+                             "lead_ms": self.lead_ms, "binary_opus": True, "voices": ["default", *s.voice_pcm]}
+        return obj
+
+    def _truncation_wire(self) -> str | dict:
+        s = self.settings
+        if s.truncation == "retention_ratio":
+            return {"type": "retention_ratio", "retention_ratio": s.retention_ratio}
+        return s.truncation
 
     @staticmethod
     def _assistant_item(item_id: str, status: str, transcript: str) -> dict:
         return {"id": item_id, "object": "realtime.item", "type": "message", "status": status, "role": "assistant",
                 "content": [{"type": "output_audio", "transcript": transcript}]}
 
-    def _response_object(self, response_id: str, status: str, details: dict | None, output: list) -> dict:
+    def _ours(self, **fields) -> dict:
+        """Fields of ours on a standard event: only for clients that opted in (strict clients reject them)."""
+        return fields if self.extensions else {}
+
+    def _response_object(self, response_id: str, status: str, details: dict | None, output: list, metadata: dict | None = None) -> dict:
         return {"id": response_id, "object": "realtime.response", "status": status, "status_details": details,
                 "output": output, "output_modalities": ["audio"], "conversation_id": self.session_id,
                 "audio": {"output": {"format": self.settings.output_format.to_wire(), "voice": self.settings.voice}},
-                "usage": None, "metadata": None}
+                "usage": None, "metadata": metadata}
 
 
 class _NoWireAudio:
@@ -502,6 +513,15 @@ class _NoWireAudio:
 
     def reset(self) -> None:
         pass
+
+
+def _one_error(errors: list[ClientError]) -> ClientError:
+    """Several refused fields as one error: the first's code and param, every field named in the message."""
+    if len(errors) == 1:
+        return errors[0]
+    first = errors[0]
+    return ClientError(first.code, f"{len(errors)} fields refused (the others applied): " + "; ".join(e.message for e in errors),
+                       first.param)
 
 
 def _event_id(ev: dict) -> str | None:

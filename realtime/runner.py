@@ -83,6 +83,10 @@ class WireProtocol(Protocol):
     closing: tuple[int, str] | None  # set when the protocol itself ends the session (e.g. Twilio `stop`)
     client_errors: int
 
+    @property
+    def resumable(self) -> bool:
+        """The client holds a resume token (only clients that opted in get one): worth keeping a lost session."""
+
     def open(self) -> None: ...
 
     def receive(self, message: str | bytes, now: float) -> None: ...
@@ -348,7 +352,7 @@ class SessionRunner:
 
     def _on_link_closed(self, link: Link, now: float) -> bool:
         """The current link ended: True to keep the session (detached, resumable), False to end it."""
-        lost = self.resume_token is not None and link.lost()
+        lost = self.resume_token is not None and self.proto.resumable and link.lost()
         if not lost or self.deps.server_closing() or self.limits.resume_grace_s <= 0:
             return False
         self._drop_link(CloseReason.CONNECTION_LOST.close_code, "connection lost")

@@ -80,10 +80,19 @@ class InputCleared:
 
 
 @dataclass(frozen=True)
+class UserItemAdded:
+    """A user turn the client created as an item (its audio is now in the engine's history)."""
+
+    item_id: str
+    previous_item_id: str | None
+
+
+@dataclass(frozen=True)
 class ResponseCreated:
     response_id: str
     item_id: str
     epoch: int
+    metadata: dict | None = None  # the client's tag of the response, echoed back (opaque here)
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,7 @@ class ResponseDone:
     audio_ms: float  # audio sent to the client
     played_ms: float  # what the history keeps (cancelled) or all sent (completed)
     ttfa_ms: float | None  # end of user speech -> first audio frame released
+    metadata: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -136,7 +146,7 @@ class ItemDeleted:
 
 
 SessionEvent = (
-    SpeechStarted | SpeechStopped | InputCommitted | InputCleared | ResponseCreated | ResponseAudio
+    SpeechStarted | SpeechStopped | InputCommitted | InputCleared | UserItemAdded | ResponseCreated | ResponseAudio
     | ResponseText | ResponseDone | OutputCleared | ItemTruncated | ItemDeleted
 )
 
@@ -200,6 +210,7 @@ class Response:
     transcript: str = ""
     turn_end_time: float | None = None  # monotonic end of the user speech this answers
     first_audio_time: float | None = None
+    metadata: dict | None = None
 
 
 @dataclass
@@ -394,11 +405,13 @@ class Session:
         self._pushed_samples += pcm.size
 
     def _on_speech_started(self, audio_start_ms: float, now: float) -> None:
+        # OpenAI's order: speech_started first, then the interrupted answer's cleared / response.done,
+        # so a client's own interruption logic still finds that answer in progress.
+        self._user_item = new_id("item")
+        self._events.append(SpeechStarted(self._user_item, audio_start_ms))
         if self.response is not None and not self.response.status.finished and self.vad_params.interrupt_response:
             self._interrupt("turn_detected", now)
             self.stats.barge_ins += 1
-        self._user_item = new_id("item")
-        self._events.append(SpeechStarted(self._user_item, audio_start_ms))
         recent = np.concatenate(self._recent) if self._recent else np.zeros(0, np.int16)
         start_sample = int(audio_start_ms * RATE_HZ / 1000) - (self._input_samples - recent.size)
         self._push(recent[max(0, start_sample):])
@@ -420,11 +433,27 @@ class Session:
         self._speech_end_time = speech_end_time
 
     # ---- responses ----
-    def receive_response_create(self, now: float) -> str:
+    def receive_user_item(self, item_id: str, pcm: np.ndarray) -> None:
+        """conversation.item.create of a user audio message: a whole user turn in the history, no answer
+        (the client asks for one with response.create)."""
+        self.settle_vad()
+        if self.response is not None and not self.response.status.finished:
+            raise SessionError("conversation_already_has_active_response",
+                               f"response {self.response.id} is in progress: add the item when it is done", "item")
+        if self._pushed_samples or (self._vad is not None and self._vad.speaking):
+            raise SessionError("user_turn_in_progress", "the user is speaking: add the item once the turn is committed", "item")
+        if pcm.size:
+            self._commands.append(PushAudio(pcm))
+        self._commands.append(EndTurn(item_id))
+        self._turn_items.append(item_id)
+        self._events.append(UserItemAdded(item_id, self._last_item))
+        self._last_item = item_id
+
+    def receive_response_create(self, now: float, metadata: dict | None = None) -> str:
         self.settle_vad()
         if self.response is not None and not self.response.status.finished:
             raise SessionError("conversation_already_has_active_response", f"response {self.response.id} is still in progress")
-        r = Response(id=new_id("resp"), item_id=new_id("item"), epoch=self._epoch)
+        r = Response(id=new_id("resp"), item_id=new_id("item"), epoch=self._epoch, metadata=metadata)
         r.turn_end_time = self._speech_end_time
         r.acked_ms = 0.0 if self.limits.acked_playback else None
         self._speech_end_time = None
@@ -435,7 +464,7 @@ class Session:
         self._exchange_items[r.id], self._turn_items = [*self._turn_items, r.item_id], []
         self._pacer.reset()
         self.stats.responses += 1
-        self._events.append(ResponseCreated(r.id, r.item_id, r.epoch))
+        self._events.append(ResponseCreated(r.id, r.item_id, r.epoch, metadata))
         self._commands.append(StartResponse(r.id))
         self._last_item = r.item_id
         return r.id
@@ -574,4 +603,5 @@ class Session:
         if status is not ResponseStatus.COMPLETED:
             self._epoch += 1
         ttfa = None if r.first_audio_time is None or r.turn_end_time is None else 1000.0 * (r.first_audio_time - r.turn_end_time)
-        self._events.append(ResponseDone(r.id, r.item_id, r.epoch, status, reason, r.transcript, 1000.0 * r.sent_samples / RATE_HZ, played_ms, ttfa))
+        self._events.append(ResponseDone(r.id, r.item_id, r.epoch, status, reason, r.transcript, 1000.0 * r.sent_samples / RATE_HZ, played_ms, ttfa,
+                                         r.metadata))

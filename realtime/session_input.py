@@ -37,6 +37,16 @@ class ClearInput:
 @dataclass(frozen=True, slots=True)
 class CreateResponse:
     event_id: str | None = None
+    metadata: dict | None = None  # echoed in response.created / response.done
+
+
+@dataclass(frozen=True, slots=True)
+class AddUserAudio:
+    """conversation.item.create of a user message with audio: a user turn, no answer."""
+
+    item_id: str
+    pcm: np.ndarray  # int16, 16 kHz
+    event_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +83,7 @@ class SetTurnDetection:
     event_id: str | None = None
 
 
-SessionInput = (AudioIn | CommitInput | ClearInput | CreateResponse | CancelRequested | ClearOutput | TruncateItem | Played
+SessionInput = (AudioIn | CommitInput | ClearInput | CreateResponse | AddUserAudio | CancelRequested | ClearOutput | TruncateItem | Played
                 | SetTurnDetection)
 
 
@@ -93,8 +103,10 @@ def apply(session: Session, inp: SessionInput, now: float) -> None:
             session.receive_commit(now)
         case ClearInput():
             session.receive_clear()
-        case CreateResponse():
-            session.receive_response_create(now)
+        case CreateResponse(metadata=metadata):
+            session.receive_response_create(now, metadata)
+        case AddUserAudio(item_id, pcm):
+            session.receive_user_item(item_id, pcm)
         case CancelRequested(response_id):
             session.receive_response_cancel(now, response_id)
         case ClearOutput():

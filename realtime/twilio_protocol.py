@@ -117,6 +117,8 @@ class StreamStats:
 
 
 class TwilioProtocol:
+    resumable = False  # a Twilio stream is never resumed (Twilio reconnects by calling again)
+
     def __init__(self, session: Session, limits: TwilioLimits | None = None, end_call_digit: str | None = "#",
                  on_fault: Callable[[str], None] | None = None, options: ConversationOptions | None = None) -> None:
         self.session = session  # the runner's: this machine reads only its id

@@ -158,7 +158,7 @@ async function connect() {
   await iceGatheringDone(pc, 2000);
   let resp;
   try {
-    resp = await fetch("/v1/realtime/calls", {
+    resp = await fetch("/v1/realtime/calls?duplex=1", {  // duplex=1: our additions (latency marks, epochs)
       method: "POST",
       body: pc.localDescription.sdp,
       headers: { "Content-Type": "application/sdp", Authorization: `Bearer ${$("token").value.trim()}` },

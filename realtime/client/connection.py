@@ -114,13 +114,15 @@ _END = object()
 
 
 def realtime_url(url: str) -> str:
-    """ws(s)://HOST[:PORT][/v1/realtime][?query]; http(s) URLs are accepted; a bare host gets /v1/realtime."""
+    """ws(s)://HOST[:PORT][/v1/realtime][?query]; http(s) URLs are accepted; a bare host gets /v1/realtime.
+    `duplex=1` is added: this SDK opts in to the server's additions (resume tokens, epochs, latency marks)."""
     parts = urlsplit(url)
     scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
     if scheme is None or not parts.hostname:
         raise ConnectError("invalid_url", f"not a ws://, wss://, http:// or https:// URL with a host: {url!r}")
     path = parts.path if parts.path not in ("", "/") else "/v1/realtime"
-    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+    query = [(k, v) for k, v in parse_qsl(parts.query) if k != "duplex"] + [("duplex", "1")]
+    return urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
 
 
 def _as_int16(pcm: np.ndarray) -> np.ndarray:

@@ -242,7 +242,7 @@ class WebSocketCaller(Caller):
     async def connect(self) -> None:
         import websockets
 
-        url = self.base_url.replace("http", "ws", 1) + "/v1/realtime"
+        url = self.base_url.replace("http", "ws", 1) + "/v1/realtime?duplex=1"  # our additions: epochs, latency marks
         self.ws = await websockets.connect(url, additional_headers={"Authorization": f"Bearer {self.token}"},
                                            max_size=1 << 22, open_timeout=30)
         first = json.loads(await asyncio.wait_for(self.ws.recv(), 30))
@@ -388,7 +388,7 @@ class WebRtcCaller(Caller):
         self.dc.on("message", lambda m: self._event(json.loads(m), time.monotonic()))
         self.pc.on("track", lambda track: self._tasks.append(asyncio.create_task(self._listen(track))))
         await self.pc.setLocalDescription(await self.pc.createOffer())
-        req = urllib.request.Request(self.base_url + "/v1/realtime/calls", data=self.pc.localDescription.sdp.encode(),
+        req = urllib.request.Request(self.base_url + "/v1/realtime/calls?duplex=1", data=self.pc.localDescription.sdp.encode(),
                                      headers={"Content-Type": "application/sdp", "Authorization": f"Bearer {self.token}"}, method="POST")
 
         def post() -> tuple[int, str]:

@@ -36,7 +36,9 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame
 
 from engine.service_api import AtCapacity
+from realtime import client_json
 from realtime.audio import StreamResampler
+from realtime.form_data import FormDataError, parse_form_data
 from realtime.http import HttpReply, HttpRequest, HttpRoute, json_error
 from realtime.metrics import GatewayMetrics
 from realtime.runner import SessionRunner
@@ -243,11 +245,26 @@ class WebRtcCalls:
             await pc.close()
 
     async def handle_offer(self, req: HttpRequest) -> HttpReply:
-        ctype = req.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        if ctype != "application/sdp":
-            return json_error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "invalid_request", "the offer must be sent as application/sdp")
+        ctype = req.headers.get("Content-Type", "")
+        session_cfg: dict | None = None
+        if ctype.split(";")[0].strip().lower() == "multipart/form-data":  # the openai SDK's calls.create(sdp=, session=)
+            try:
+                form = parse_form_data(ctype, req.body)
+                body = form["sdp"]
+                if "session" in form:
+                    session_cfg = client_json.loads(form["session"].decode("utf-8"))
+                    if not isinstance(session_cfg, dict):
+                        raise ValueError("'session' must be a JSON object")
+            except (FormDataError, KeyError, UnicodeDecodeError, ValueError, client_json.BadJson) as e:
+                return json_error(HTTPStatus.BAD_REQUEST, "invalid_request", f"the form needs an 'sdp' field and an optional "
+                                                                             f"'session' JSON object ({e})")
+        elif ctype.split(";")[0].strip().lower() == "application/sdp":
+            body = req.body
+        else:
+            return json_error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "invalid_request",
+                              "the offer must be sent as application/sdp or multipart/form-data (sdp, session)")
         try:
-            sdp = req.body.decode("utf-8")
+            sdp = body.decode("utf-8")
         except UnicodeDecodeError:
             return json_error(HTTPStatus.BAD_REQUEST, "invalid_offer", "the SDP offer is not UTF-8 text")
         if not sdp.startswith("v=0") or "m=audio" not in sdp:
@@ -257,7 +274,10 @@ class WebRtcCalls:
         track = PacedAudioTrack()
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         link = DataChannelLink(pc)
-        proto = realtime_protocol(self.ctx, admission.new_session(output_frame_ms=20), audio_out_of_band=True)
+        proto = realtime_protocol(self.ctx, admission.new_session(output_frame_ms=20), audio_out_of_band=True,
+                                  extensions=req.query.get("duplex", ["0"])[0] == "1")
+        if session_cfg is not None:
+            proto.preconfigure(session_cfg)  # applied like a session.update before session.created
         try:
             # counted against the cap while its data channel opens; a barge-in truncates at what the track really sent
             runner = admission.open_session(NAME, link, proto, audio_out=TrackAudioOut(track))

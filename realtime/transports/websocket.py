@@ -68,13 +68,13 @@ def error_event(code: str, message: str) -> str:
 
 
 def realtime_protocol(ctx: TransportContext, session: Session, resume_token: str | None = None,
-                      audio_out_of_band: bool = False) -> RealtimeProtocol:
+                      audio_out_of_band: bool = False, extensions: bool = False) -> RealtimeProtocol:
     """The OpenAI Realtime event machine for a session, with the server's settings (WebRTC's data channel too)."""
     cfg = ctx.config
     resume = ResumeOffer(resume_token, cfg.limits.resume_grace_s) if resume_token else None
     return RealtimeProtocol(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes),
                             SessionSettings.of(cfg.session, ctx.voices), OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity),
-                            resume, audio_out_of_band)
+                            resume, audio_out_of_band, extensions)
 
 
 def register(ctx: TransportContext) -> None:
@@ -85,7 +85,8 @@ def register(ctx: TransportContext) -> None:
         if "resume" in query:
             return await resume(ws, query)
         token = new_resume_token() if limits.resume_grace_s > 0 else None
-        proto = realtime_protocol(ctx, admission.new_session(), token)
+        # `?duplex=1` (our SDK): our additions from session.created on, its resume token included
+        proto = realtime_protocol(ctx, admission.new_session(), token, extensions=query.get("duplex", ["0"])[0] == "1")
         try:
             runner = admission.open_session(NAME, WebSocketLink(ws), proto, resume_token=token)
         except AtCapacity as e:

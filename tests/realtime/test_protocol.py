@@ -10,6 +10,7 @@ import pytest
 from rt_helpers import silence
 
 from realtime.audio import OutputEncoder, WireFormat
+from realtime.config import SessionSection
 from realtime.protocol import RealtimeProtocol
 from realtime.session import CancelResponse, EndTurn, PushAudio, Session, SessionLimits, StartResponse
 from realtime.session_input import apply_inputs
@@ -19,9 +20,9 @@ from realtime.vad import VadParams
 class Client:
     """Drives a protocol machine like a socket would, on a simulated monotonic clock."""
 
-    def __init__(self, vad: VadParams | None = VadParams(silence_duration_ms=300)) -> None:
+    def __init__(self, vad: VadParams | None = VadParams(silence_duration_ms=300), extensions: bool = True) -> None:
         self.session = Session("sess_test", vad, SessionLimits(output_frame_ms=40, lead_ms=100))
-        self.proto = RealtimeProtocol(self.session)
+        self.proto = RealtimeProtocol(self.session, extensions=extensions)  # most tests look at our additions too
         self.now = 100.0
         self.sent: list = []
         self.commands: list = []
@@ -77,12 +78,29 @@ def test_open_and_session_update_roundtrip():
     upd = c.sent[-1]
     assert upd["type"] == "session.updated"
     s = upd["session"]
-    assert s["audio"]["input"] == {"format": {"type": "audio/pcmu"}, "turn_detection": None}
+    assert s["audio"]["input"] == {"format": {"type": "audio/pcmu"}, "turn_detection": None, "transcription": None, "noise_reduction": None}
     assert s["audio"]["output"]["format"] == {"type": "audio/opus"} and s["instructions"] == "be brief"
     assert c.proto.settings.top_k == 5 and c.proto.settings.seed == 3 and c.proto.settings_changed
     assert not c.session.vad_enabled
     c.send({"type": "session.update", "session": {"input_audio_format": "pcm16", "turn_detection": {"type": "server_vad", "threshold": 0.7}}})
     assert c.session.vad_params.threshold == 0.7 and c.proto.settings.input_format is WireFormat.PCM16
+
+
+def test_truncation_setting_reaches_the_engine_and_is_echoed_as_the_client_sent_it():
+    c = Client(extensions=False)
+    assert c.sent[-1]["session"]["truncation"] == "auto"
+    assert c.proto.engine_options().retention_ratio == SessionSection().retention_ratio
+    c.send({"type": "session.update", "session": {"truncation": {"type": "retention_ratio", "retention_ratio": 0.5}}})
+    assert c.sent[-1]["session"]["truncation"] == {"type": "retention_ratio", "retention_ratio": 0.5}
+    assert c.proto.take_engine_options().retention_ratio == 0.5
+    c.send({"type": "session.update", "session": {"truncation": "disabled", "instructions": "hi"}})
+    assert c.sent[-1]["session"]["truncation"] == "disabled"
+    assert c.proto.take_engine_options().retention_ratio is None  # conversation_too_long instead of dropping
+    # a refused ratio names its field; the instructions sent with it still apply, the truncation is unchanged
+    c.take()
+    c.send({"type": "session.update", "session": {"truncation": {"type": "retention_ratio", "retention_ratio": 0}, "instructions": "yo"}})
+    assert [e["param"] for e in c.errors()] == ["session.truncation.retention_ratio"]
+    assert c.sent[-1]["session"]["truncation"] == "disabled" and c.sent[-1]["session"]["instructions"] == "yo"
 
 
 def _vad_turn(c: Client, speech) -> str:
@@ -135,7 +153,7 @@ def test_barge_in_cancels_clears_and_truncates_to_acked_ms(speech):
     cancels = [x for x in c.commands if isinstance(x, CancelResponse)]
     assert cancels == [CancelResponse(rid, 240.0)]
     t = c.types()
-    assert t.index("output_audio_buffer.cleared") < t.index("response.done") < t.index("input_audio_buffer.speech_started")
+    assert t.index("input_audio_buffer.speech_started") < t.index("output_audio_buffer.cleared") < t.index("response.done")
     done = next(e for e in c.sent if e["type"] == "response.done")
     assert done["response"]["status"] == "cancelled" and done["response"]["status_details"]["reason"] == "turn_detected"
     assert c.session.stats.barge_ins == 1
@@ -193,8 +211,8 @@ def test_manual_turns_commit_create_cancel_truncate():
     ({"type": "conversation.item.truncate", "item_id": "nope", "audio_end_ms": 10}, "item_not_found", "item_id"),
     ({"type": "conversation.item.truncate", "item_id": "x", "audio_end_ms": "10"}, "invalid_type", "audio_end_ms"),
     ({"type": "response.cancel"}, "response_cancel_not_active", None),
-    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}, "invalid_value", "session.audio.format"),
-    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}}, "invalid_value", "session.audio.input.turn_detection.type"),
+    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}, "invalid_value", "session.audio.input.format"),
+    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "magic_vad"}}}}}, "invalid_value", "session.audio.input.turn_detection.type"),
     ({"type": "session.update", "session": {"temperature": "hot"}}, "invalid_type", "session.temperature"),
     ({"type": "output_audio_buffer.played", "played_ms": True}, "invalid_type", "played_ms"),
 ])

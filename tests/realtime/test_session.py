@@ -353,7 +353,7 @@ def test_barge_in_cancels_at_the_pacer_cursor_clears_and_starts_a_new_epoch():
     assert 1000 * sent_before / RATE - cancel.played_ms <= LEAD_MS + FRAME_MS  # unplayed audio the client drops
     assert all(t <= t_cancel for t, _ in frames)  # nothing of the old answer after the cancel
     kinds = rec.types(OutputCleared, ResponseDone, SpeechStarted, SpeechStopped, InputCommitted, ResponseCreated)
-    assert kinds == ["OutputCleared", "ResponseDone", "SpeechStarted", "SpeechStopped", "InputCommitted", "ResponseCreated"]
+    assert kinds == ["SpeechStarted", "OutputCleared", "ResponseDone", "SpeechStopped", "InputCommitted", "ResponseCreated"]
     done = rec.of(ResponseDone)[0]
     assert (done.response_id, done.status, done.reason, done.epoch) == (rid, ResponseStatus.CANCELLED, "turn_detected", 0)
     assert done.played_ms == cancel.played_ms and done.audio_ms == pytest.approx(1000 * sent_before / RATE)

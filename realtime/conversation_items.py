@@ -1,0 +1,148 @@
+"""The conversation's items as the client sees them (conversation.item.*), and parsing the items a
+client creates.
+
+The engine keeps audio turns only (the model has no text input yet: issue 21), so an item here is
+either in the engine's history (a user's audio turn, an assistant's answer: `in_engine`, which a
+client cannot delete; the engine drops the oldest to fit its context, `forget`) or held only here (text content, system messages). System messages' text
+becomes part of the session's instructions. Text content is kept and shown back, but not given to
+the model (docs/protocol.md documents this limitation).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from realtime.audio import AudioFormatError, InputDecoder, WireFormat
+from realtime.wire_fields import ClientError, get_field, unsupported
+
+MAX_ITEMS = 1024  # items remembered for retrieve/delete; the oldest are forgotten first
+MAX_TEXT_CHARS = 64 * 1024
+
+# content part types each role may carry (GA names; "text" is the beta spelling of assistant text)
+_PARTS = {
+    "system": {"input_text"},
+    "user": {"input_text", "input_audio"},
+    "assistant": {"output_text", "text"},
+}
+
+
+@dataclass
+class Item:
+    id: str
+    role: str
+    content: list = field(default_factory=list)
+    in_engine: bool = False  # its audio is in the engine's history (a client cannot delete a turn there)
+    status: str = "completed"
+
+    def wire(self) -> dict:
+        return {"id": self.id, "object": "realtime.item", "type": "message", "status": self.status, "role": self.role,
+                "content": [dict(c) for c in self.content]}
+
+    def text(self) -> str:
+        return "\n".join(c.get("text") or "" for c in self.content if c.get("type") in ("input_text", "output_text", "text"))
+
+
+@dataclass
+class NewItem:
+    """A parsed conversation.item.create: the item, and its user audio (16 kHz) if it has any."""
+
+    item: Item
+    pcm: np.ndarray | None
+    previous_item_id: str | None
+
+
+class ConversationItems:
+    def __init__(self) -> None:
+        self._items: OrderedDict[str, Item] = OrderedDict()
+
+    def put(self, item: Item) -> None:
+        self._items[item.id] = item
+        self._items.move_to_end(item.id)
+        while len(self._items) > MAX_ITEMS:
+            self._items.popitem(last=False)
+
+    def __contains__(self, item_id: str) -> bool:
+        return item_id in self._items
+
+    def get(self, item_id: str) -> Item:
+        if item_id not in self._items:
+            raise ClientError("item_not_found", f"no item {item_id!r} in this conversation", "item_id")
+        return self._items[item_id]
+
+    def delete(self, item_id: str) -> Item:
+        item = self.get(item_id)
+        if item.in_engine:
+            raise ClientError("item_not_deletable", f"item {item_id!r} is audio in the model's history: a client cannot delete "
+                                                    "it (the server drops the oldest exchanges itself when the context is full; "
+                                                    "text and system items can be deleted)", "item_id")
+        return self._items.pop(item_id)
+
+    def forget(self, item_id: str) -> None:
+        """The engine dropped the item's turn (context management): it is gone, whatever it held."""
+        self._items.pop(item_id, None)
+
+    def system_text(self) -> str:
+        """The system messages' text, in order: appended to the session's instructions."""
+        return "\n".join(t for i in self._items.values() if i.role == "system" and (t := i.text()))
+
+
+def parse_new_item(ev: dict, input_format: WireFormat, new_id) -> NewItem:
+    """conversation.item.create -> NewItem, or ClientError naming the field refused."""
+    p = "item."
+    raw = get_field(ev, "item", dict, required=True)
+    kind = get_field(raw, "type", str, prefix=p) or "message"
+    if kind != "message":
+        raise unsupported("item.type", f"{kind!r} items: OpusLM has no function calling (only 'message' items)")
+    role = get_field(raw, "role", str, required=True, prefix=p)
+    if role not in _PARTS:
+        raise ClientError("invalid_value", "'item.role' must be user, assistant or system", "item.role")
+    item_id = get_field(raw, "id", str, prefix=p) or new_id("item")
+    if not 1 <= len(item_id) <= 64:
+        raise ClientError("invalid_value", "'item.id' must be 1 to 64 characters", "item.id")
+    content = get_field(raw, "content", list, required=True, prefix=p)
+    parts, audio = [], []
+    for i, part in enumerate(content):
+        cp = f"item.content[{i}]."
+        if not isinstance(part, dict):
+            raise ClientError("invalid_type", f"'item.content[{i}]' must be an object", f"item.content[{i}]")
+        ptype = get_field(part, "type", str, required=True, prefix=cp)
+        if ptype not in _PARTS[role]:
+            why = "the model takes no assistant audio from the client" if ptype == "output_audio" else \
+                f"a {role} message may hold {', '.join(sorted(_PARTS[role]))}"
+            raise unsupported(cp + "type", f"{ptype!r} content: {why}")
+        if ptype == "input_audio":
+            pcm = _decode_audio(get_field(part, "audio", str, prefix=cp), input_format, cp + "audio")
+            if pcm is not None:
+                audio.append(pcm)
+            parts.append({"type": "input_audio", "transcript": get_field(part, "transcript", str, prefix=cp)})
+        else:
+            text = get_field(part, "text", str, required=True, prefix=cp)
+            if len(text) > MAX_TEXT_CHARS:
+                raise ClientError("invalid_value", f"'{cp}text' is longer than {MAX_TEXT_CHARS} characters", cp + "text")
+            parts.append({"type": ptype, "text": text})
+    pcm = np.concatenate(audio) if audio else None
+    prev = get_field(ev, "previous_item_id", str)
+    return NewItem(Item(item_id, role, parts, in_engine=pcm is not None), pcm, prev)
+
+
+def _decode_audio(b64: str | None, fmt: WireFormat, param: str) -> np.ndarray | None:
+    if not b64:
+        return None
+    if fmt is WireFormat.OPUS:
+        raise unsupported(param, "audio items must be pcm16, G.711 μ-law or A-law (set the session's input format)")
+    try:
+        payload = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise ClientError("invalid_base64", f"'{param}' is not valid base64", param) from None
+    decoder = InputDecoder(fmt)  # its own: the item is whole, not part of the input stream
+    try:
+        pcm = decoder.decode(payload)
+        tail = decoder.flush()
+    except AudioFormatError as e:
+        raise ClientError("invalid_audio", f"{e} (input format {fmt.value})", param) from None
+    return np.concatenate([pcm, tail]) if tail.size else pcm

@@ -1,0 +1,71 @@
+"""`response.create`'s `response` object: what this server can honour per response.
+
+The engine answers within the conversation, in audio, with the session's settings; so a request for
+anything else (out-of-band answers, text-only output, tools, per-response instructions or voice) is
+refused whole with an `error` naming the field, rather than answered as if it had been honoured.
+`metadata` is the client's tag of the response, echoed in response.created / response.done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from realtime.wire_fields import ClientError, get_field, unsupported
+
+MAX_METADATA_KEYS = 16  # OpenAI's limits on response metadata
+MAX_METADATA_VALUE = 512
+
+_KNOWN = {"conversation", "metadata", "instructions", "output_modalities", "modalities", "tools", "tool_choice", "input",
+          "audio", "voice", "output_audio_format", "max_output_tokens", "max_response_output_tokens", "temperature", "prompt"}
+
+
+@dataclass(frozen=True)
+class ResponseRequest:
+    metadata: dict | None = None
+
+
+def parse_response_request(resp: dict | None, instructions: str, voice: str, temperature: float) -> ResponseRequest:
+    """`instructions`, `voice`, `temperature`: the session's (a per-response value equal to them is accepted)."""
+    if resp is None:
+        return ResponseRequest()
+    p = "response."
+    for key in resp:
+        if key not in _KNOWN:
+            raise ClientError("unknown_parameter", f"unknown parameter 'response.{key}'", p + key)
+    if resp.get("conversation") not in (None, "auto", "default"):
+        raise unsupported(p + "conversation", "out-of-band responses: the model answers within the conversation ('auto')")
+    for key in ("output_modalities", "modalities"):
+        if (m := resp.get(key)) is not None and not (isinstance(m, list) and "audio" in m):
+            raise unsupported(p + key, "the model answers in audio (with its transcript): use ['audio']")
+    if resp.get("tools"):
+        raise unsupported(p + "tools", "OpusLM has no function calling")
+    if resp.get("tool_choice") not in (None, "auto", "none"):
+        raise unsupported(p + "tool_choice", "OpusLM has no function calling")
+    if resp.get("input") is not None:
+        raise unsupported(p + "input", "the model answers from the whole conversation, not a chosen context")
+    if resp.get("prompt") is not None:
+        raise unsupported(p + "prompt", "no stored prompts")
+    for key in ("max_output_tokens", "max_response_output_tokens"):
+        if resp.get(key) not in (None, "inf"):
+            raise unsupported(p + key, "answers are bounded in time: set session.duplex.max_response_ms")
+    if (instr := get_field(resp, "instructions", str, prefix=p)) is not None and instr != instructions:
+        raise unsupported(p + "instructions", "instructions are per session here: send them with session.update")
+    audio_out = (get_field(resp, "audio", dict, prefix=p) or {}).get("output") or {}
+    asked_voice = audio_out.get("voice", resp.get("voice"))
+    if asked_voice is not None and asked_voice != voice:
+        raise unsupported(p + "audio.output.voice", "the voice is per session here: send it with session.update")
+    if audio_out.get("format") is not None or resp.get("output_audio_format") is not None:
+        raise unsupported(p + "audio.output.format", "the output format is per session here: send it with session.update")
+    if (t := get_field(resp, "temperature", (int, float), prefix=p)) is not None and t != temperature:
+        raise unsupported(p + "temperature", "sampling settings are per session here: send them with session.update")
+    return ResponseRequest(_metadata(get_field(resp, "metadata", dict, prefix=p)))
+
+
+def _metadata(md: dict | None) -> dict | None:
+    if md is None:
+        return None
+    if len(md) > MAX_METADATA_KEYS or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= MAX_METADATA_VALUE
+                                               for k, v in md.items()):
+        raise ClientError("invalid_value", f"'response.metadata': at most {MAX_METADATA_KEYS} string keys (64 chars) "
+                                           f"with string values ({MAX_METADATA_VALUE} chars)", "response.metadata")
+    return dict(md)

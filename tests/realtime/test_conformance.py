@@ -1,0 +1,229 @@
+"""Realtime API conformance (issue 28), sans-I/O: what a strict client (the openai SDK's event models, the
+Agents SDK, Pipecat, LiveKit) sees, field-by-field session.update, semantic_vad, conversation items,
+response.create's fields, multipart WebRTC signalling."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import pydantic
+import pytest
+from openai import BaseModel as OpenAIModel
+from openai.types.realtime import RealtimeServerEvent
+from rt_helpers import silence
+from test_protocol import Client, _vad_turn
+
+from realtime.form_data import parse_form_data
+from realtime.session import EndTurn, PushAudio, StartResponse
+from realtime.session_update import EAGERNESS
+
+SERVER_EVENT = pydantic.TypeAdapter(RealtimeServerEvent)
+
+
+def _extras(model, path: str = "") -> list[str]:
+    """Fields the openai SDK's models do not know, anywhere in a parsed event."""
+    out = [f"{path}{k}" for k in (model.model_extra or {})] if isinstance(model, OpenAIModel) else []
+    for name in getattr(type(model), "model_fields", {}):
+        v = getattr(model, name)
+        for sub in (v if isinstance(v, list) else [v]):
+            if isinstance(sub, OpenAIModel):
+                out += _extras(sub, f"{path}{name}.")
+    return out
+
+
+# sent by OpenAI's own server although the SDK's GA models leave them out
+OPENAI_EXTRAS = {"session.id", "session.object"}
+
+
+def _strict_check(events: list[dict]) -> None:
+    for ev in events:
+        parsed = SERVER_EVENT.validate_python(ev)  # an unknown event type fails the union
+        extras = [x for x in _extras(parsed) if x not in OPENAI_EXTRAS]
+        assert extras == [], (ev["type"], extras)
+
+
+def test_a_standard_client_sees_only_realtime_api_events_and_fields(speech):
+    c = Client(extensions=False)
+    created = c.sent[0]
+    assert "resume_token" not in created and "duplex" not in created["session"]
+    rid = _vad_turn(c, speech)
+    c.engine_chunk(rid, 400, is_last=True, text="hi")
+    for _ in range(30):
+        c.tick(0.04)
+    kinds = c.types()
+    assert "response.done" in kinds and "duplex.latency" not in kinds
+    assert all("epoch" not in e for e in c.sent) and "duplex" not in c.sent[-1]["response"]
+    _strict_check(c.sent)
+
+
+def test_opting_in_with_duplex_in_session_update_brings_our_additions_and_the_resume_token(speech):
+    c = Client(extensions=False)
+    from realtime.protocol import ResumeOffer
+    c.proto.resume = ResumeOffer("resume_x", 30.0)
+    assert not c.proto.resumable
+    c.send({"type": "session.update", "session": {"duplex": {}}})
+    upd = c.sent[-1]
+    assert upd["type"] == "session.updated" and upd["resume_token"] == "resume_x" and "duplex" in upd["session"]
+    assert c.proto.resumable
+    rid = _vad_turn(c, speech)
+    c.engine_chunk(rid, 200, is_last=True)
+    for _ in range(30):
+        c.tick(0.04)
+    assert "duplex.latency" in c.types() and c.sent[-1]["response"]["duplex"]["epoch"] == 0
+
+
+def test_session_update_applies_the_valid_fields_and_names_the_refused_ones():
+    c = Client(extensions=False)
+    c.take()
+    c.send({"type": "session.update", "event_id": "u1", "session": {
+        "instructions": "be brief", "temperature": 5, "tools": [{"type": "function", "name": "f"}],
+        "audio": {"input": {"transcription": {"model": "whisper-1"}}, "output": {"voice": "alloy"}}}})
+    errs, upd = c.errors(), c.sent[-1]
+    assert len(errs) == 1 and errs[0]["event_id"] == "u1"
+    for param in ("session.temperature", "session.tools", "session.audio.input.transcription"):
+        assert param in errs[0]["message"]
+    assert upd["type"] == "session.updated"
+    s = upd["session"]
+    assert s["instructions"] == "be brief" and s["audio"]["output"]["voice"] == "alloy"
+    assert s["tools"] == [] and s["audio"]["input"]["transcription"] is None  # what was applied, not what was asked
+    _strict_check(c.sent)
+
+
+# Every field of the GA session object the openai SDK can send: honoured, or refused with an error naming it.
+SWEEP = [
+    ({"type": "realtime"}, None),
+    ({"type": "transcription"}, "session.type"),
+    ({"model": "gpt-realtime"}, None),
+    ({"instructions": "hi"}, None),
+    ({"output_modalities": ["audio"]}, None),
+    ({"output_modalities": ["text"]}, "session.output_modalities"),
+    ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, None),
+    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "session.audio.input.format"),
+    ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
+    ({"audio": {"input": {"noise_reduction": None}}}, None),
+    ({"audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}, "session.audio.input.transcription"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 0.6}}}}, None),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 5000}}}},
+     "session.audio.input.turn_detection.idle_timeout_ms"),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "high"}}}}, None),
+    ({"audio": {"input": {"turn_detection": None}}}, None),
+    ({"audio": {"output": {"format": {"type": "audio/pcma"}}}}, None),
+    ({"audio": {"output": {"voice": "marin"}}}, None),
+    ({"audio": {"output": {"speed": 1.0}}}, None),
+    ({"audio": {"output": {"speed": 1.5}}}, "session.audio.output.speed"),
+    ({"include": ["item.input_audio_transcription.logprobs"]}, "session.include"),
+    ({"max_output_tokens": "inf"}, None),
+    ({"max_output_tokens": 200}, "session.max_output_tokens"),
+    ({"prompt": {"id": "pmpt_1"}}, "session.prompt"),
+    ({"tool_choice": "auto"}, None),
+    ({"tool_choice": "required"}, "session.tool_choice"),
+    ({"tools": []}, None),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "session.tools"),
+    ({"tracing": None}, None),
+    ({"tracing": "auto"}, "session.tracing"),
+    ({"truncation": "auto"}, None),
+    ({"truncation": "disabled"}, None),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 0.5}}, None),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 1.5}}, "session.truncation.retention_ratio"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {"post_instructions": 100}}},
+     "session.truncation.token_limits"),
+    ({"truncation": "sometimes"}, "session.truncation"),
+    ({"parallel_tool_calls": False}, None),
+    ({"reasoning": {"effort": "low"}}, "session.reasoning"),
+    ({"temperature": 0.7}, None),
+    ({"no_such_field": 1}, "session.no_such_field"),
+]
+
+
+@pytest.mark.parametrize("fields,refused", SWEEP, ids=[json.dumps(f)[:60] for f, _ in SWEEP])
+def test_every_ga_session_field_is_honoured_or_refused_by_name(fields, refused):
+    c = Client(extensions=False)
+    c.take()
+    c.send({"type": "session.update", "session": {"type": "realtime", **fields} if "type" not in fields else fields})
+    errs = c.errors()
+    assert c.sent[-1]["type"] == "session.updated"
+    if refused is None:
+        assert errs == []
+    else:
+        assert len(errs) == 1 and errs[0]["param"] == refused and refused in errs[0]["message"]
+    _strict_check(c.sent)
+
+
+@pytest.mark.parametrize("eagerness", ["low", "medium", "high", "auto"])
+def test_semantic_vad_is_served_by_the_server_vad_and_echoed_as_asked(eagerness):
+    c = Client(extensions=False)
+    c.send({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "semantic_vad", "eagerness": eagerness, "interrupt_response": True}}}}})
+    td = c.sent[-1]["session"]["audio"]["input"]["turn_detection"]
+    assert td == {"type": "semantic_vad", "eagerness": eagerness, "create_response": True, "interrupt_response": True}
+    silence_ms, threshold = EAGERNESS[eagerness]
+    assert (c.session.vad_params.silence_duration_ms, c.session.vad_params.threshold) == (silence_ms, threshold)
+    assert EAGERNESS["low"][0] > EAGERNESS["medium"][0] > EAGERNESS["high"][0]
+
+
+def _pcm24_b64(ms: int) -> str:
+    pcm = (3000 * np.sin(np.arange(24 * ms) / 7)).astype("<i2")
+    return base64.b64encode(pcm.tobytes()).decode()
+
+
+def test_conversation_items_text_system_and_user_audio():
+    c = Client(vad=None, extensions=False)
+    c.take()
+    c.send({"type": "conversation.item.create", "item": {"type": "message", "role": "system",
+                                                         "content": [{"type": "input_text", "text": "You are terse."}]}})
+    assert c.types() == ["conversation.item.added", "conversation.item.done"]
+    assert c.proto.take_engine_options().system_prompt == "You are terse."  # system messages become instructions
+    c.send({"type": "conversation.item.create", "item": {"id": "t1", "type": "message", "role": "user",
+                                                         "content": [{"type": "input_text", "text": "hello"}]}})
+    assert c.sent[-1]["item"]["content"] == [{"type": "input_text", "text": "hello"}] and not c.commands
+    c.send({"type": "conversation.item.create", "item": {"id": "a1", "type": "message", "role": "user",
+                                                         "content": [{"type": "input_audio", "audio": _pcm24_b64(400)}]}})
+    pushed = [x for x in c.commands if isinstance(x, PushAudio)]
+    assert len(pushed) == 1 and pushed[0].pcm.size == pytest.approx(16 * 400, abs=32)
+    assert [type(x) for x in c.commands] == [PushAudio, EndTurn] and not any(isinstance(x, StartResponse) for x in c.commands)
+    assert c.sent[-1]["type"] == "conversation.item.done" and c.sent[-1]["item"]["id"] == "a1"
+    c.send({"type": "conversation.item.retrieve", "item_id": "t1"})
+    assert c.sent[-1]["type"] == "conversation.item.retrieved" and c.sent[-1]["item"]["id"] == "t1"
+    c.send({"type": "conversation.item.delete", "item_id": "t1"})
+    assert c.sent[-1] == {**c.sent[-1], "type": "conversation.item.deleted", "item_id": "t1"}
+    c.send({"type": "conversation.item.delete", "item_id": "a1"})
+    assert c.errors()[-1]["code"] == "item_not_deletable"
+    c.send({"type": "conversation.item.retrieve", "item_id": "nope"})
+    assert c.errors()[-1]["code"] == "item_not_found"
+    c.send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "x", "output": "{}"}})
+    assert c.errors()[-1]["param"] == "item.type" and "function calling" in c.errors()[-1]["message"]
+    assert "unknown_event_type" not in [e["code"] for e in c.errors()]
+    _strict_check(c.sent)
+
+
+def test_response_create_echoes_metadata_and_refuses_what_it_cannot_honour():
+    c = Client(vad=None, extensions=False)
+    c.append_pcm24(silence(200, 24_000) + 1000)
+    c.send({"type": "input_audio_buffer.commit"})
+    c.take()
+    for response, param in ((({"conversation": "none"}), "response.conversation"), ({"tools": [{"type": "function", "name": "f"}]}, "response.tools"),
+                            ({"output_modalities": ["text"]}, "response.output_modalities"),
+                            ({"instructions": "other"}, "response.instructions")):
+        c.send({"type": "response.create", "response": response})
+        assert c.errors()[-1]["param"] == param
+    assert "response.created" not in c.types()
+    c.send({"type": "response.create", "response": {"metadata": {"client_event_id": "r1"}, "output_modalities": ["audio"]}})
+    created = next(e for e in c.sent if e["type"] == "response.created")
+    assert created["response"]["metadata"] == {"client_event_id": "r1"}
+    c.engine_chunk(created["response"]["id"], 200, is_last=True)
+    for _ in range(30):
+        c.tick(0.04)
+    assert c.sent[-1]["type"] == "response.done" and c.sent[-1]["response"]["metadata"] == {"client_event_id": "r1"}
+    _strict_check(c.sent)
+
+
+def test_multipart_offer_as_the_openai_sdk_sends_it():
+    # the SDK posts files=[("sdp", (None, sdp, "application/sdp")), ("session", (None, json, "application/json"))]
+    req = httpx.Request("POST", "http://x/v1/realtime/calls", files={"sdp": (None, b"v=0\r\nm=audio 9", "application/sdp"),
+                                                                       "session": (None, b'{"type":"realtime"}', "application/json")})
+    body = req.read()
+    form = parse_form_data(req.headers["Content-Type"], body)
+    assert form == {"sdp": b"v=0\r\nm=audio 9", "session": b'{"type":"realtime"}'}
