@@ -570,9 +570,10 @@ class DuplexClient:
         err = ev.get("error") or {}
         e = ErrorEvent(err.get("code") or "server_error", err.get("message") or "", err.get("param"), err.get("event_id"))
         self._last_error = e
-        for i, (event_id, fut) in enumerate(self._updates):
+        for event_id, fut in self._updates:
             if e.event_id is not None and e.event_id == event_id:
-                del self._updates[i]
+                # the entry stays: the server applies the update's valid fields and answers it with a
+                # session.updated all the same, which must not be taken for the next update's answer
                 if not fut.done():
                     fut.set_exception(ProtocolError(e.code, e.message, e.param))
                 return

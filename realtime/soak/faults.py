@@ -36,7 +36,7 @@ FAULT_SERVER_CONFIG = {
 async def _ws(base: str, token: str):
     import websockets
 
-    ws = await websockets.connect(base.replace("http", "ws", 1) + "/v1/realtime", additional_headers={"Authorization": f"Bearer {token}"},
+    ws = await websockets.connect(base.replace("http", "ws", 1) + "/v1/realtime?duplex=1", additional_headers={"Authorization": f"Bearer {token}"},
                                   max_size=1 << 22)
     created = json.loads(await ws.recv())
     assert created["type"] == "session.created", created

@@ -155,7 +155,14 @@ def test_interrupt_keeps_what_was_played(gateway, speech):
             await asyncio.sleep(0.2)
             done = await c.interrupt(played_ms=played_ms)
             await talk.wait_for(ResponseDone, lambda e: e.response_id == created.response_id, speaking=False)
-            history = list(gateway.conversation(c.session_id).history)
+            # response.done (cancelled) goes out at once; the engine's answer turn enters the history
+            # when its generation has wound down (the next step): wait for that, bounded
+            conv = gateway.conversation(c.session_id)
+            for _ in range(100):
+                if len(conv.history) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            history = list(conv.history)
         await talk.task
         return talk, created, done, history
 

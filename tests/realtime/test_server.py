@@ -121,7 +121,8 @@ class RtClient:
 
 
 async def connect(gw, **kw) -> RtClient:
-    ws = await websockets.connect(url(gw), additional_headers={"Authorization": f"Bearer {TOKEN}"}, **kw)
+    # ?duplex=1: these tests read our additions (duplex fields, epochs); test_conformance covers plain clients
+    ws = await websockets.connect(url(gw) + "?duplex=1", additional_headers={"Authorization": f"Bearer {TOKEN}"}, **kw)
     c = RtClient(ws)
     await c.wait_for("session.created", timeout=10)
     return c

@@ -154,7 +154,7 @@ def post_offer(gw, sdp: str, token: str | None, content_type: str = "application
     headers = {"Content-Type": content_type}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(f"http://127.0.0.1:{gw.port}/v1/realtime/calls", data=sdp.encode(), headers=headers, method="POST")
+    req = urllib.request.Request(f"http://127.0.0.1:{gw.port}/v1/realtime/calls?duplex=1", data=sdp.encode(), headers=headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, r.read().decode()
