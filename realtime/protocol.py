@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 from engine.service_api import ConversationOptions
 from realtime import client_json
 from realtime.config import ENGINE_KEYS, SessionSection
-from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat, parse_wire_format
+from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat
 from realtime.session import (
     InputCleared, InputCommitted, ItemDeleted, ItemTruncated, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone,
     ResponseStatus, ResponseText, Session, SessionError, SpeechStarted, SpeechStopped, UserItemAdded, new_id,
