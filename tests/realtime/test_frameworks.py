@@ -1,0 +1,152 @@
+"""The voice-agent frameworks people build on, unchanged, against a real Gateway on 127.0.0.1 (issue 28).
+
+Each test drives a framework's own OpenAI Realtime client (pinned in the `test` extra, see
+pyproject.toml) the way its documentation does, configured as README's "Use it from your agent
+framework" shows, and holds two turns with a barge-in: a question answered in full, a second question
+whose answer the user interrupts by speaking again, and the answer to that interruption. The engine is
+the fake one (tests/realtime/fake_engine.py): the gateway, its VAD and the wire protocol are real;
+speech is espeak-ng's. Every error the framework reports (its error events, and its loggers at
+ERROR) fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import numpy as np
+from fake_engine import FakeEngine
+
+from realtime.config import config_from_dict
+from realtime.server import Gateway
+
+TOKEN = "framework-token"
+RATE = 24000  # the Realtime API's pcm16
+CHUNK_MS = 100
+ANSWER_MS = 1200
+QUESTIONS = ("Hello, how are you today?", "What is the weather like?", "Wait, stop, tell me something else.")
+
+
+@contextlib.asynccontextmanager
+async def gateway():
+    gw = Gateway(FakeEngine(capacity=2, answer_ms=ANSWER_MS), config_from_dict({"server": {"port": 0}}), token=TOKEN)
+    await gw.start()
+    try:
+        yield gw
+    finally:
+        await gw.stop()
+
+
+def utterances(speech) -> list[bytes]:
+    """Each question, then 0.8 s of silence (the server VAD's pause), as 24 kHz pcm16."""
+    pause = np.zeros(int(RATE * 0.8), np.int16)
+    return [np.concatenate([speech(q, RATE), pause]).astype("<i2").tobytes() for q in QUESTIONS]
+
+
+async def stream(send, pcm: bytes) -> None:
+    """A microphone at twice real time (within the gateway's input budget): `send(chunk)` per 100 ms."""
+    step = RATE * 2 * CHUNK_MS // 1000
+    for i in range(0, len(pcm), step):
+        await send(pcm[i:i + step])
+        await asyncio.sleep(CHUNK_MS / 2000)
+
+
+async def heard_to_the_end(first_audio_at: float) -> None:
+    """A listener speaks again only once the answer has played: ANSWER_MS from its first audio (the
+    server sends audio a little ahead of real time, so its response.done comes before that)."""
+    await asyncio.sleep(max(0.0, first_audio_at + ANSWER_MS / 1000 + 0.1 - time.monotonic()))
+
+
+class ErrorLogs(logging.Handler):
+    """Records at ERROR or above from the named loggers (the framework's own)."""
+
+    def __init__(self, *names: str) -> None:
+        super().__init__(logging.ERROR)
+        self.names, self.records = names, []
+
+    def __enter__(self) -> ErrorLogs:
+        for n in self.names:
+            logging.getLogger(n).addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for n in self.names:
+            logging.getLogger(n).removeHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(f"{record.name}: {record.getMessage()}")
+
+
+def held_two_turns_and_a_barge_in(gw: Gateway, server: list[tuple[str, str | None]]) -> None:
+    """What the framework received (`server`: each server event's type, and its response's status) and
+    what the engine kept: answer 1 whole, answer 2 cut where the user spoke, answer 3 whole."""
+    kinds = [k for k, _ in server]
+    assert [status for kind, status in server if kind == "response.done"] == ["completed", "cancelled", "completed"], kinds
+    assert kinds.count("input_audio_buffer.speech_started") == 3 and "error" not in kinds
+    # the barge-in: speech_started before the interrupted answer's response.done (OpenAI's order)
+    first_done, second_done = [i for i, k in enumerate(kinds) if k == "response.done"][:2]
+    assert first_done < kinds.index("input_audio_buffer.speech_started", first_done + 1) < second_done
+    (conv,) = gw.engine.opened
+    turns = [(t.role.name.lower(), t.audio_frames) for t in conv.history]
+    full = int(ANSWER_MS / 20)
+    assert [role for role, _ in turns] == ["user", "assistant"] * 3, turns
+    assert turns[1][1] == full and 0 < turns[3][1] < full and turns[5][1] == full, turns
+
+
+# ---------------------------------------------------------------- OpenAI Agents SDK
+
+
+def test_openai_agents_sdk_realtime_runner_two_turns_and_a_barge_in(speech):
+    """`agents.realtime`: RealtimeAgent + RealtimeRunner with its default session (semantic_vad,
+    interrupt_response), transcription and OpenAI tracing switched off as README says."""
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    q1, q2, q3 = utterances(speech)
+
+    async def main():
+        async with gateway() as gw:
+            runner = RealtimeRunner(RealtimeAgent(name="assistant", instructions="Be brief."), config={
+                "tracing_disabled": True, "model_settings": {"input_audio_transcription": None}})
+            session = await runner.run(model_config={"api_key": TOKEN, "url": f"ws://127.0.0.1:{gw.port}/v1/realtime"})
+            errors, server = [], []  # the SDK's error events; the server events it received (type, status)
+            with ErrorLogs("openai.agents") as logs:
+                async with session:
+                    events = aiter(session)
+
+                    first_audio: list[float] = []  # when each answer's first audio arrived
+
+                    async def until(kind: str):
+                        async for ev in events:
+                            if ev.type == "audio" and len(first_audio) < len([1 for k, _ in server if k == "response.created"]):
+                                first_audio.append(time.monotonic())
+                            if ev.type == "error":
+                                errors.append(ev.error)
+                            elif ev.type == "raw_model_event" and ev.data.type == "raw_server_event":
+                                data = ev.data.data
+                                server.append((data["type"], data.get("response", {}).get("status")))
+                            elif ev.type == "raw_model_event" and ev.data.type in ("error", "exception"):
+                                errors.append(ev.data)
+                            if ev.type == kind:
+                                return ev
+                        raise AssertionError(f"the session ended before {kind}")
+
+                    async def send(chunk: bytes) -> None:
+                        await session.send_audio(chunk)
+
+                    await stream(send, q1)
+                    await until("audio_end")  # answer 1, complete
+                    await until("agent_end")
+                    await heard_to_the_end(first_audio[0])
+                    await stream(send, q2)
+                    await until("audio")  # answer 2 is playing: speak over it
+                    barge = asyncio.create_task(stream(send, q3))
+                    await until("audio_interrupted")
+                    await barge
+                    await until("audio_end")  # the answer to the interruption, complete
+                    await until("agent_end")
+            assert errors == [] and logs.records == []
+            held_two_turns_and_a_barge_in(gw, server)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
