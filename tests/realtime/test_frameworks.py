@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 
@@ -79,17 +80,19 @@ class ErrorLogs(logging.Handler):
         self.records.append(f"{record.name}: {record.getMessage()}")
 
 
-def held_two_turns_and_a_barge_in(gw: Gateway, server: list[tuple[str, str | None]]) -> None:
+def held_two_turns_and_a_barge_in(gw: Gateway, server: list[tuple[str, str | None]], preamble: int = 0) -> None:
     """What the framework received (`server`: each server event's type, and its response's status) and
-    what the engine kept: answer 1 whole, answer 2 cut where the user spoke, answer 3 whole."""
+    what the engine kept: answer 1 whole, answer 2 cut where the user spoke, answer 3 whole, after
+    `preamble` answers asked for without speech (a framework's greeting)."""
     kinds = [k for k, _ in server]
-    assert [status for kind, status in server if kind == "response.done"] == ["completed", "cancelled", "completed"], kinds
+    assert [status for kind, status in server if kind == "response.done"] == ["completed"] * preamble + [
+        "completed", "cancelled", "completed"], kinds
     assert kinds.count("input_audio_buffer.speech_started") == 3 and "error" not in kinds
     # the barge-in: speech_started before the interrupted answer's response.done (OpenAI's order)
-    first_done, second_done = [i for i, k in enumerate(kinds) if k == "response.done"][:2]
-    assert first_done < kinds.index("input_audio_buffer.speech_started", first_done + 1) < second_done
+    answer1_done, answer2_done = [i for i, k in enumerate(kinds) if k == "response.done"][preamble:preamble + 2]
+    assert answer1_done < kinds.index("input_audio_buffer.speech_started", answer1_done + 1) < answer2_done
     (conv,) = gw.engine.opened
-    turns = [(t.role.name.lower(), t.audio_frames) for t in conv.history]
+    turns = [(t.role.name.lower(), t.audio_frames) for t in conv.history][2 * preamble:]
     full = int(ANSWER_MS / 20)
     assert [role for role, _ in turns] == ["user", "assistant"] * 3, turns
     assert turns[1][1] == full and 0 < turns[3][1] < full and turns[5][1] == full, turns
@@ -150,3 +153,118 @@ def test_openai_agents_sdk_realtime_runner_two_turns_and_a_barge_in(speech):
             held_two_turns_and_a_barge_in(gw, server)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+# ---------------------------------------------------------------- Pipecat
+
+
+class Heard:
+    """The server events a framework's client received, as (type, response status), with a wait:
+    `await heard.until("response.done", 2)` returns once the second one came."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str | None]] = []
+        self.audio_at: list[float] = []  # when each answer's first audio arrived
+        self._changed = asyncio.Event()
+
+    def add(self, data: dict) -> None:
+        kind = data["type"]
+        if kind == "response.output_audio.delta" and len(self.audio_at) < self.count("response.created"):
+            self.audio_at.append(time.monotonic())
+        self.events.append((kind, data.get("response", {}).get("status")))
+        self._changed.set()
+
+    def count(self, kind: str) -> int:
+        return sum(k == kind for k, _ in self.events)
+
+    async def until(self, kind: str, n: int) -> None:
+        while self.count(kind) < n:
+            self._changed.clear()
+            await self._changed.wait()
+
+
+def test_pipecat_openai_realtime_service_with_a_context_two_turns_and_a_barge_in(speech, monkeypatch):
+    """Pipecat's `OpenAIRealtimeLLMService` in a pipeline with the usual LLM context (a system message
+    and a user message, sent as conversation items) and its context aggregators, audio pushed in as
+    `InputAudioRawFrame`s (no transport: the test is the microphone). The context's own answer comes
+    first (LLMRunFrame), then the two spoken turns and the barge-in. The server events are observed
+    where the service parses them (unchanged)."""
+    from loguru import logger
+    from pipecat.frames.frames import ErrorFrame, InputAudioRawFrame, LLMRunFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.services.openai.realtime import events as pipecat_events
+    from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
+    from pipecat.workers.runner import WorkerRunner
+
+    q1, q2, q3 = utterances(speech)
+    heard = Heard()
+    parse = pipecat_events.parse_server_event
+
+    def observed(message):
+        heard.add(json.loads(message))
+        return parse(message)
+
+    monkeypatch.setattr(pipecat_events, "parse_server_event", observed)
+
+    class ErrorFrames(FrameProcessor):
+        """The end of the pipeline: records every error frame that reaches it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.errors: list = []
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            if isinstance(frame, ErrorFrame):
+                self.errors.append(frame)
+            await self.push_frame(frame, direction)
+
+    errors_logged: list[str] = []
+    sink = logger.add(errors_logged.append, level="ERROR")
+
+    async def main():
+        async with gateway() as gw:
+            llm = OpenAIRealtimeLLMService(api_key=TOKEN, base_url=f"ws://127.0.0.1:{gw.port}/v1/realtime")
+            context = LLMContext([{"role": "system", "content": "You are a terse assistant."},
+                                  {"role": "user", "content": "Say hello."}])
+            aggregators = LLMContextAggregatorPair(context)
+            end = ErrorFrames()
+            task = PipelineWorker(Pipeline([aggregators.user(), llm, end, aggregators.assistant()]),
+                                  params=PipelineParams(audio_in_sample_rate=RATE), idle_timeout_secs=None)
+            pipeline_errors: list = []
+
+            @task.event_handler("on_pipeline_error")
+            async def on_pipeline_error(_task, frame):
+                pipeline_errors.append(frame)
+
+            runner = WorkerRunner(handle_sigint=False)
+            await runner.add_workers(task)
+            run = asyncio.create_task(runner.run())
+            try:
+                async def send(chunk: bytes) -> None:
+                    await task.queue_frame(InputAudioRawFrame(audio=chunk, sample_rate=RATE, num_channels=1))
+
+                await task.queue_frames([LLMRunFrame()])  # the context's answer
+                await heard.until("response.done", 1)
+                await heard_to_the_end(heard.audio_at[0])
+                await stream(send, q1)
+                await heard.until("response.done", 2)  # answer 1
+                await heard_to_the_end(heard.audio_at[1])
+                await stream(send, q2)
+                await heard.until("response.output_audio.delta", heard.count("response.output_audio.delta") + 1)
+                await stream(send, q3)  # over answer 2
+                await heard.until("response.done", 4)  # answer 2 cut, the answer to the interruption
+            finally:
+                await task.cancel()
+                await asyncio.wait_for(run, 10)
+            assert end.errors == [] and pipeline_errors == [] and errors_logged == []
+            held_two_turns_and_a_barge_in(gw, heard.events, preamble=1)
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        logger.remove(sink)
