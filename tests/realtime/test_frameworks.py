@@ -268,3 +268,80 @@ def test_pipecat_openai_realtime_service_with_a_context_two_turns_and_a_barge_in
         asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         logger.remove(sink)
+
+
+# ---------------------------------------------------------------- LiveKit Agents
+
+
+def test_livekit_openai_realtime_model_session_without_a_room_two_turns_and_a_barge_in(speech):
+    """LiveKit's OpenAI plugin: `RealtimeModel(...).session()` driven directly, without a LiveKit room
+    (its API allows it: the session opens its own aiohttp connection when no job context exists). Its
+    default session (semantic_vad) with transcription off; instructions and a chat context (a system
+    and a user message) set as an agent would, `generate_reply()` for a greeting, then the two spoken
+    turns (`push_audio`) and the barge-in, truncated at what was heard as LiveKit's AgentSession does."""
+    from livekit import rtc
+    from livekit.agents import llm
+    from livekit.plugins import openai
+
+    q1, q2, q3 = utterances(speech)
+    heard = Heard()
+
+    async def main():
+        async with gateway() as gw:
+            model = openai.realtime.RealtimeModel(api_key=TOKEN, base_url=f"http://127.0.0.1:{gw.port}/v1",
+                                                  input_audio_transcription=None)
+            session = model.session()
+            errors: list = []
+            playing: dict = {}  # the answer being heard: its item id, when its audio began, how much came
+            session.on("error", errors.append)
+            session.on("openai_server_event_received", heard.add)
+
+            async def listen(gen: llm.GenerationCreatedEvent) -> None:
+                async for msg in gen.message_stream:
+                    async for frame in msg.audio_stream:
+                        if playing.get("id") != msg.message_id:
+                            playing.update(id=msg.message_id, at=time.monotonic(), ms=0.0)
+                        playing["ms"] += 1000 * frame.samples_per_channel / frame.sample_rate
+
+            def barge_in(_ev) -> None:
+                """The user spoke over an answer: cut it at what was heard (the server already stopped it)."""
+                if playing and playing["ms"] > 0:
+                    heard_ms = min(1000 * (time.monotonic() - playing["at"]), playing["ms"])
+                    if heard_ms < ANSWER_MS:
+                        session.truncate(message_id=playing["id"], modalities=["audio"], audio_end_ms=int(heard_ms))
+
+            listeners = set()
+            session.on("generation_created", lambda gen: listeners.add(asyncio.create_task(listen(gen))))
+            session.on("input_speech_started", barge_in)
+
+            async def send(chunk: bytes) -> None:
+                samples = len(chunk) // 2
+                session.push_audio(rtc.AudioFrame(chunk, RATE, 1, samples))
+
+            with ErrorLogs("livekit.agents", "livekit.plugins.openai") as logs:
+                try:
+                    await session.update_instructions("You are a terse assistant.")
+                    ctx = llm.ChatContext()
+                    ctx.add_message(role="system", content="Answer in one sentence.")
+                    ctx.add_message(role="user", content="Say hello.")
+                    await session.update_chat_ctx(ctx)
+                    greeting = await session.generate_reply()  # response.metadata echoed: no 10 s timeout
+                    assert greeting.user_initiated
+                    await heard.until("response.done", 1)
+                    await heard_to_the_end(heard.audio_at[0])
+                    await stream(send, q1)
+                    await heard.until("response.done", 2)  # answer 1
+                    await heard_to_the_end(heard.audio_at[1])
+                    await stream(send, q2)
+                    await heard.until("response.output_audio.delta", heard.count("response.output_audio.delta") + 1)
+                    await stream(send, q3)  # over answer 2
+                    await heard.until("response.done", 4)  # answer 2 cut, the answer to the interruption
+                finally:
+                    await session.aclose()
+                    await model.aclose()
+                    for t in listeners:
+                        t.cancel()
+            assert errors == [] and logs.records == []
+            held_two_turns_and_a_barge_in(gw, heard.events, preamble=1)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
