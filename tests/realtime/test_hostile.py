@@ -483,3 +483,41 @@ def test_clients_that_vanish_without_a_close_do_not_keep_new_callers_out():
             assert gw.metrics.registry.get_sample_value("duplex_sessions_refused_total", {"reason": "capacity"}) is None
 
     run(main)
+
+
+def test_a_client_that_stops_reading_is_closed_by_keepalive_while_other_pings_are_answered():
+    """What Pipecat's `keepalive ping timeout` was (issue 28): after an error event it takes as fatal,
+    Pipecat's client leaves its receive loop but keeps the connection and keeps sending audio. Its
+    WebSocket library then stops reading the socket once its buffer is full, so it never sees our pings,
+    and our keepalive closes it with 1011. Here such a client (its buffer of one message never read)
+    is closed by the server's keepalive once an answer fills that buffer, and its session is kept for a resume, while another session's
+    pings keep being answered and its session goes on."""
+    async def main():
+        async with gateway({"limits": {"ping_interval_s": 0.3, "ping_timeout_s": 0.3}}, capacity=2) as gw:
+            url = f"ws://127.0.0.1:{gw.port}/v1/realtime?token={TOKEN}&duplex=1"
+            # ping_interval=None: only the server's keepalive acts, as it would against a client that pings too late
+            async with connect(url, max_queue=1, ping_interval=None) as stalled, connect(url) as healthy:
+                assert json.loads(await asyncio.wait_for(healthy.recv(), 5))["type"] == "session.created"
+                silence = json.dumps({"type": "input_audio_buffer.append", "audio": "AAAA" * 400})
+                await stalled.send(json.dumps({"type": "response.create"}))  # events it will not read
+                pongs = 0
+                for _ in range(200):  # 10 s at most; the keepalive needs 0.6 s
+                    if any(r.suspended for r in gw.sessions.values()):
+                        break
+                    await stalled.send(silence)  # never reads
+                    await asyncio.wait_for(await healthy.ping(), 5)
+                    pongs += 1
+                    await asyncio.sleep(0.05)
+                assert [r.suspended for r in gw.sessions.values()] == [True, False], "the keepalive did not act"
+                assert pongs >= 2
+                # what the stalled client finds once it reads again: our keepalive's close
+                with contextlib.suppress(ConnectionClosed):
+                    while True:
+                        await asyncio.wait_for(stalled.recv(), 5)
+                assert (stalled.protocol.close_rcvd.code, stalled.protocol.close_rcvd.reason) == (1011, "keepalive ping timeout")
+                await healthy.send(json.dumps({"type": "response.create"}))
+                kinds = []
+                while "response.done" not in kinds:
+                    kinds.append(json.loads(await asyncio.wait_for(healthy.recv(), 5))["type"])
+
+    run(main)
