@@ -43,6 +43,9 @@ class DialogueTurn:
     role: int  # vocab.USER or vocab.ASSISTANT
     frames: np.ndarray  # [T, 9] audio frames (global ids)
     text_ids: list[int] = field(default_factory=list)  # global text ids, if the model has text
+    # deleted by the client (conversation.item.delete): the model no longer reads it, but it keeps its
+    # place, so the history stays a user turn and an answer per exchange (where context management cuts)
+    deleted: bool = False
 
 
 def text_segment(role: int, text_ids: list[int]) -> np.ndarray:
@@ -61,6 +64,8 @@ def history_rows(turns: list[DialogueTurn], speaker_frames: np.ndarray | None = 
     if speaker_frames is not None and len(speaker_frames):
         parts.append(speaker_segment(speaker_frames))
     for turn in turns:
+        if turn.deleted:
+            continue
         if turn.role == vocab.USER:
             parts.append(audio_segment(vocab.USER, turn.frames))
             if turn.text_ids:
@@ -102,6 +107,8 @@ def stable_user_prefix(
 
 def turn_rows(turn: DialogueTurn) -> int:
     """The positions `turn` takes in a prompt (its audio segment, and its text segment if any)."""
+    if turn.deleted:
+        return 0
     rows = _SEGMENT_ROWS + len(turn.frames)
     return rows + (_SEGMENT_ROWS + len(turn.text_ids) if turn.text_ids else 0)
 

@@ -244,6 +244,7 @@ class Conversation:
         self._last: Response | None = None
         self.history_dropped = 0  # turns dropped from the head of the history (context management)
         self._exchanges: list[str] = []  # the response id of each exchange in `_turns` (2 turns each)
+        self._deletions = 0  # turns the client deleted from the middle of the history (they change the salt)
         self._speaker: asyncio.Future | None = self._tokenize_speaker(options.speaker_prompt_pcm)
 
     @property
@@ -429,8 +430,10 @@ class Conversation:
         """The prefix-cache salt of prompts whose history starts at the conversation's turn `first_turn`.
         Within one salt equal stream-0 prefixes must have equal aux streams (block hashes cover stream 0
         only); a history starting at another turn could break that (two turns opening alike in stream 0
-        alone, e.g. on silence), so each truncation point has its own salt."""
-        return self._salt if first_turn == 0 else f"{self._salt}@{first_turn}"
+        alone, e.g. on silence), so each truncation point has its own salt; so does each deletion, which
+        can bring two such turns together (a cut answer needs none: its end differs in stream 0)."""
+        salt = self._salt if first_turn == 0 else f"{self._salt}@{first_turn}"
+        return salt if not self._deletions else f"{salt}~{self._deletions}"
 
     def _drop_turns(self, n: int, response: Response) -> None:
         """Drop the `n` oldest turns (whole exchanges: fit_context cuts before a user turn)."""
@@ -470,10 +473,36 @@ class Conversation:
             self._response = None
 
     def truncate(self, response_id: str, played_ms: float) -> None:
-        """The client played only `played_ms` of a finished answer (its audio may still have been
-        playing when the user interrupted): the history keeps that much."""
+        """The client played only `played_ms` of an answer still in the history (the latest may still
+        have been playing, or generating, when the user interrupted): the history keeps that much."""
         if self._last is not None and self._last.id == response_id:
             self._last.cancel(played_ms)
+            return
+        _, answer = self._exchange(response_id)
+        if answer is not None:
+            answer.frames = answer.frames[: _played_frames(played_ms)]
+
+    def delete_turn(self, response_id: str, role: Role) -> None:
+        """The client deleted the user turn or the answer of the exchange of `response_id`: the model
+        no longer reads it (its place stays: see DialogueTurn.deleted)."""
+        self._check_open()
+        if self._response is not None and self._response.id == response_id:
+            raise ResponseInProgress(f"response {response_id} is still in progress: cancel it first")
+        user, answer = self._exchange(response_id)
+        turn = user if role is Role.USER else answer
+        if turn is not None and not turn.deleted:
+            turn.deleted = True
+            self._deletions += 1
+            log.info("conversation %s: the client deleted the %s turn of response %s", self.id, role.name.lower(), response_id)
+
+    def _exchange(self, response_id: str) -> tuple[DialogueTurn | None, DialogueTurn | None]:
+        """The user turn and the answer of an exchange still in the history (None where there is none:
+        dropped for the context, unknown, or the answer not yet ended)."""
+        if response_id not in self._exchanges:
+            return None, None
+        i = 2 * self._exchanges.index(response_id)
+        turns = self._turns[i : i + 2]
+        return turns[0], turns[1] if len(turns) > 1 else None
 
     def suspend(self) -> None:
         self._check_open()
@@ -496,7 +525,7 @@ class Conversation:
     @property
     def history(self) -> list[HistoryTurn]:
         role = {vocab.USER: Role.USER, vocab.ASSISTANT: Role.ASSISTANT}
-        return [HistoryTurn(role=role[t.role], audio_frames=len(t.frames)) for t in self._turns]
+        return [HistoryTurn(role=role[t.role], audio_frames=len(t.frames)) for t in self._turns if not t.deleted]
 
     def next_prompt(self) -> np.ndarray:
         """The prompt the next response would start from (for tests and debugging)."""

@@ -171,8 +171,13 @@ class Conversation(Protocol):
         made to fit, the response fails with `ConversationTooLong`."""
 
     def truncate(self, response_id: str, played_ms: float) -> None:
-        """The client played only `played_ms` of a finished answer: the history keeps that much.
-        Unknown or older responses are ignored (only the latest answer can still be cut)."""
+        """The client played only `played_ms` of an answer: the history keeps that much. Any answer
+        still in the history can be cut (never lengthened); unknown or dropped responses are ignored."""
+
+    def delete_turn(self, response_id: str, role: Role) -> None:
+        """The client deleted the user turn (`Role.USER`) or the answer of `response_id`'s exchange:
+        the model no longer reads it, and `history` no longer lists it. Raises `ResponseInProgress`
+        while that response runs; ignores unknown or dropped responses and repeated deletions."""
 
     def suspend(self) -> None:
         """The client is away (its connection dropped; it may resume): free the engine slot, keep the

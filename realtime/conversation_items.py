@@ -2,8 +2,9 @@
 client creates.
 
 The engine keeps audio turns only (the model has no text input yet: issue 21), so an item here is
-either in the engine's history (a user's audio turn, an assistant's answer: `in_engine`, which a
-client cannot delete; the engine drops the oldest to fit its context, `forget`) or held only here (text content, system messages). System messages' text
+either in the engine's history (a user's audio turn, an assistant's answer: `in_engine`; deleting
+one goes through the session to the engine, and the engine drops the oldest to fit its context:
+`forget` either way) or held only here (text content, system messages). System messages' text
 becomes part of the session's instructions. Text content is kept and shown back, but not given to
 the model (docs/protocol.md documents this limitation).
 """
@@ -36,7 +37,7 @@ class Item:
     id: str
     role: str
     content: list = field(default_factory=list)
-    in_engine: bool = False  # its audio is in the engine's history (a client cannot delete a turn there)
+    in_engine: bool = False  # its audio is in the engine's history (deleted through the session)
     status: str = "completed"
 
     def wire(self) -> dict:
@@ -75,11 +76,8 @@ class ConversationItems:
         return self._items[item_id]
 
     def delete(self, item_id: str) -> Item:
-        item = self.get(item_id)
-        if item.in_engine:
-            raise ClientError("item_not_deletable", f"item {item_id!r} is audio in the model's history: a client cannot delete "
-                                                    "it (the server drops the oldest exchanges itself when the context is full; "
-                                                    "text and system items can be deleted)", "item_id")
+        """An item held only here (text, system): gone at once. (`in_engine` items: the session's.)"""
+        self.get(item_id)
         return self._items.pop(item_id)
 
     def forget(self, item_id: str) -> None:

@@ -33,7 +33,7 @@ from realtime.session import (
     ResponseStatus, ResponseText, Session, SessionError, SpeechStarted, SpeechStopped, UserItemAdded, new_id,
 )
 from realtime.session_input import (
-    AddUserAudio, AudioIn, CancelRequested, ClearInput, ClearOutput, CommitInput, CreateResponse, Played,
+    AddUserAudio, AudioIn, CancelRequested, ClearInput, ClearOutput, CommitInput, CreateResponse, DeleteItem, Played,
     SessionInput, SetTurnDetection, TruncateItem,
 )
 from realtime.vad import VadParams
@@ -282,7 +282,11 @@ class RealtimeProtocol:
         self._emit("conversation.item.retrieved", item=item.wire())
 
     def _on_item_delete(self, ev: dict, now: float) -> None:
-        item = self._items.delete(_get(ev, "item_id", str, required=True))
+        item_id = _get(ev, "item_id", str, required=True)
+        if self._items.get(item_id).in_engine:  # an audio turn: the session takes it out of the model's history
+            self._inputs.append(DeleteItem(item_id, _event_id(ev)))
+            return
+        item = self._items.delete(item_id)
         if item.role == "system":
             self.settings_changed = True
         self._emit("conversation.item.deleted", item_id=item.id)

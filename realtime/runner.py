@@ -46,7 +46,7 @@ from realtime.metrics import GatewayMetrics
 from realtime.resume import ReplayBuffer, ResumeRefused
 from realtime.session import (
     CancelResponse, EndTurn, OutputCleared, PushAudio, ResponseAudio, ResponseDone, Session, SessionError, SessionStats,
-    StartResponse, TruncateResponse,
+    DeleteTurn, StartResponse, TruncateResponse,
 )
 from realtime.input_budget import InputBudget
 from realtime.session_input import SessionInput, apply_inputs, rate_error
@@ -563,6 +563,8 @@ class SessionRunner:
                         self._latest.cancel(played_ms)
                 case TruncateResponse(rid, played_ms):
                     self.conv.truncate(rid, played_ms)
+                case DeleteTurn(rid, role):
+                    self.conv.delete_turn(rid, role)
 
     async def _pump(self, handle: ResponseHandle) -> None:
         dropped_told = False

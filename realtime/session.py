@@ -25,7 +25,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from engine.service_api import SAMPLE_RATE_HZ
+from engine.service_api import SAMPLE_RATE_HZ, Role
 
 from realtime.pacing import Pacer
 from realtime.vad import ServerVad, SileroVad, VadParams, run_silero
@@ -140,7 +140,8 @@ class ItemTruncated:
 
 @dataclass(frozen=True)
 class ItemDeleted:
-    """The item left the conversation: the engine dropped its exchange to fit the model's context."""
+    """The item left the conversation: the client deleted it, or the engine dropped its exchange to fit
+    the model's context."""
 
     item_id: str
 
@@ -182,7 +183,15 @@ class TruncateResponse:
     played_ms: float
 
 
-EngineCommand = PushAudio | EndTurn | StartResponse | CancelResponse | TruncateResponse
+@dataclass(frozen=True)
+class DeleteTurn:
+    """Take a finished response's user turn or answer out of what the model reads."""
+
+    response_id: str
+    role: Role
+
+
+EngineCommand = PushAudio | EndTurn | StartResponse | CancelResponse | TruncateResponse | DeleteTurn
 
 
 # --- state ---------------------------------------------------------------------------------------
@@ -562,20 +571,39 @@ class Session:
                 self._events.append(ItemDeleted(item_id))
 
     def receive_truncate(self, item_id: str, audio_end_ms: float, now: float) -> None:
+        """conversation.item.truncate: any assistant item still in the history keeps `audio_end_ms`."""
         r = None if item_id in self._deleted_items else self._assistant_items.get(item_id)
         if r is None:
             raise SessionError("item_not_found", f"no assistant item {item_id!r} in this conversation", "item_id")
-        if r is not self.response:
-            raise SessionError("item_not_truncatable", "only the latest assistant item can be truncated", "item_id")
         sent_ms = 1000.0 * r.sent_samples / RATE_HZ
         if audio_end_ms < 0 or audio_end_ms > sent_ms + 1e-6:
             raise SessionError("audio_end_ms_out_of_range", f"audio_end_ms {audio_end_ms} is beyond the item's audio ({sent_ms:.0f} ms sent)", "audio_end_ms")
-        r.acked_ms = float(audio_end_ms)
+        if r is self.response:
+            r.acked_ms = float(audio_end_ms)
         if not r.status.finished:
             self._interrupt("client_cancelled", now)
         else:
             self._commands.append(TruncateResponse(r.id, float(audio_end_ms)))
         self._events.append(ItemTruncated(item_id, float(audio_end_ms)))
+
+    def receive_delete(self, item_id: str) -> None:
+        """conversation.item.delete of an item in the model's history: a user turn or an answer of a
+        finished response. (Items held only by the protocol, text and system messages, never get here.)"""
+        rid = next((rid for rid, items in self._exchange_items.items() if item_id in items), None)
+        if rid is None:
+            raise SessionError("item_not_deletable", f"item {item_id!r} is a user turn with no response yet: it can be "
+                                                     "deleted once answered (input_audio_buffer.clear drops audio before a commit)", "item_id")
+        items = self._exchange_items[rid]
+        answer = self._assistant_items[items[-1]]  # an exchange's items: its user items, then the answer
+        if not answer.status.finished:
+            raise SessionError("item_not_deletable", f"response {rid} is in progress: cancel it first", "item_id")
+        if item_id != answer.item_id and len(items) > 2:
+            raise SessionError("item_not_deletable", f"item {item_id!r} is one of {len(items) - 1} user items the model heard as "
+                                                     "one turn: that turn cannot lose one of them", "item_id")
+        items.remove(item_id)
+        self._deleted_items.add(item_id)
+        self._commands.append(DeleteTurn(rid, Role.ASSISTANT if item_id == answer.item_id else Role.USER))
+        self._events.append(ItemDeleted(item_id))
 
     def played_ms(self, now: float) -> float:
         r = self.response

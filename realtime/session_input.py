@@ -68,6 +68,14 @@ class TruncateItem:
 
 
 @dataclass(frozen=True, slots=True)
+class DeleteItem:
+    """conversation.item.delete of an item in the model's history (audio turns)."""
+
+    item_id: str
+    event_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Played:
     """The client (or its transport: Twilio marks) has played this much of a response."""
 
@@ -83,8 +91,8 @@ class SetTurnDetection:
     event_id: str | None = None
 
 
-SessionInput = (AudioIn | CommitInput | ClearInput | CreateResponse | AddUserAudio | CancelRequested | ClearOutput | TruncateItem | Played
-                | SetTurnDetection)
+SessionInput = (AudioIn | CommitInput | ClearInput | CreateResponse | AddUserAudio | CancelRequested | ClearOutput | TruncateItem
+                | DeleteItem | Played | SetTurnDetection)
 
 
 class InputSource(Protocol):
@@ -113,6 +121,8 @@ def apply(session: Session, inp: SessionInput, now: float) -> None:
             session.receive_output_clear(now)
         case TruncateItem(item_id, audio_end_ms):
             session.receive_truncate(item_id, audio_end_ms, now)
+        case DeleteItem(item_id):
+            session.receive_delete(item_id)
         case Played(played_ms, underruns, response_id):
             session.receive_played(played_ms, underruns, response_id)
         case SetTurnDetection(params):

@@ -1,7 +1,8 @@
 """Context management on the real engine (tiny model, CPU, a 512-position context): a conversation
 far longer than the model's context goes on answering, the oldest exchanges dropped whole; the model
 then sees exactly the kept history (greedy answer equal to the reference on that prompt); truncation
-disabled fails the answer with `conversation_too_long` and the conversation goes on."""
+disabled fails the answer with `conversation_too_long` and the conversation goes on; the client's own
+edits (an older answer cut, audio turns deleted) are what the model reads next."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import pytest
 
 from engine import vocab
 from engine.codec.synth import speech_like
-from engine.dialogue import ANSWER_MARGIN_ROWS, response_prompt
+from engine.dialogue import ANSWER_MARGIN_ROWS, DialogueTurn, response_prompt
 from engine.reference import ReferenceOpusLM
 from engine.request import AudioRequest
 from engine.sampling import GREEDY
 from engine.service import Engine, EngineServiceConfig
-from engine.service_api import ConversationOptions, EngineError, Role
+from engine.service_api import ConversationOptions, EngineError, ResponseInProgress, Role
 
 pytestmark = pytest.mark.vllm
 
@@ -128,6 +129,47 @@ def test_one_user_turn_longer_than_the_room_gets_a_shorter_answer_or_a_clear_err
         assert err is not None and err.code == "conversation_too_long" and chunks == []
         handle, chunks, err = await turn(conv, 0.6, seed=402)
         assert err is None and chunks[-1].is_last
+        await conv.close()
+
+    loop_thread.run(main())
+
+
+def test_the_client_cuts_and_deletes_turns_and_the_model_reads_exactly_what_is_left(engine, loop_thread, tiny_model):
+    """conversation.item.truncate of an older answer and conversation.item.delete of audio turns: the
+    next prompt is the edited history (built here from the turns' own frames), and the greedy answer
+    is the reference model's on it (so nothing stale came from the prefix cache)."""
+    ref = ReferenceOpusLM.from_dir(tiny_model)
+
+    async def main():
+        conv = engine.open_conversation("ctx_edit", GREEDY_SHORT)
+        handles = []
+        for t in range(3):
+            handle, _, err = await turn(conv, 0.6, seed=500 + t)
+            assert err is None
+            handles.append(handle)
+        u1, a1, u2, a2, u3, a3 = (t.frames.copy() for t in conv._turns)
+        assert len(a1) > 5
+        conv.truncate(handles[0].id, 100.0)  # an older answer: 5 frames kept
+        conv.delete_turn(handles[1].id, Role.USER)
+        conv.delete_turn(handles[2].id, Role.ASSISTANT)
+        conv.delete_turn(handles[2].id, Role.ASSISTANT)  # again: nothing more
+        assert [(h.role, h.audio_frames) for h in conv.history] == [
+            (Role.USER, len(u1)), (Role.ASSISTANT, 5), (Role.ASSISTANT, len(a2)), (Role.USER, len(u3))]
+        handle, chunks, err = await turn(conv, 0.6, seed=510)
+        assert err is None and chunks[-1].is_last
+        u4 = conv._turns[-2].frames
+        kept = [DialogueTurn(vocab.USER, u1), DialogueTurn(vocab.ASSISTANT, a1[:5]), DialogueTurn(vocab.ASSISTANT, a2),
+                DialogueTurn(vocab.USER, u3), DialogueTurn(vocab.USER, u4)]
+        assert np.array_equal(conv.last_prompt, response_prompt(kept))
+        frames = ref.generate(AudioRequest(conv.last_prompt, int(ANSWER_MS // 20), 1, GREEDY)).frames
+        assert np.array_equal(conv._turns[-1].frames, frames)
+        # an answer in progress cannot lose a turn
+        conv.end_user_turn()
+        running = conv.respond("resp_ctx_running")
+        with pytest.raises(ResponseInProgress):
+            conv.delete_turn(running.id, Role.USER)
+        async for _ in running.chunks():
+            pass
         await conv.close()
 
     loop_thread.run(main())

@@ -30,8 +30,11 @@ Semantics, from the docstrings of service_api.py, plus the fake's own definite c
 - Context: with `context_exchanges=N` (FakeEngine), `respond()` first drops the oldest exchanges
   (each response's user turn(s) and answer) so that at most N remain with the new one; the handle's
   `dropped_exchanges` names them (final at once: the fake knows at `respond()`).
-- `truncate()` of an unknown or older response is ignored (recorded with `applied=False`); of the
-  latest one still running, it caps what the history will keep without stopping it.
+- `truncate()` of an unknown or dropped response is ignored (recorded with `applied=False`); of an
+  older one in the history it cuts that answer; of the latest one still running, it caps what the
+  history will keep without stopping it.
+- `delete_turn()` marks the exchange's user turn or answer deleted (out of `history`); raises
+  `ResponseInProgress` while that response runs.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class _Turn:
     role: Role
     frames: int
     done: bool = True  # assistant turns are reserved at respond() and done when the response ends
+    deleted: bool = False  # delete_turn(): out of `history`
 
 
 class FakeResponseHandle:
@@ -339,12 +343,26 @@ class FakeConversation:
         self.calls.append(("truncate", response_id, float(played_ms)))
         h = self._latest
         applied = h is not None and h.id == response_id and not self.closed
-        self.truncates.append(TruncateCall(response_id, float(played_ms), applied))
-        if applied:
+        older = None if applied or self.closed else next((x for x in self._exchanges if x.id == response_id and x.ended), None)
+        self.truncates.append(TruncateCall(response_id, float(played_ms), applied or older is not None))
+        if older is not None:
+            older._cut(played_ms)
+        elif applied:
             if h.ended:
                 h._cut(played_ms)
             else:
                 h._cap(played_ms)
+
+    def delete_turn(self, response_id: str, role: Role) -> None:
+        self._check_open()
+        self.calls.append(("delete_turn", response_id, role))
+        h = next((x for x in self._exchanges if x.id == response_id), None)
+        if h is None:
+            return
+        if h.started and not h.ended:
+            raise ResponseInProgress(f"response {response_id} is still in progress: cancel it first")
+        k = next(k for k, t in enumerate(self._turns) if t is h._turn)
+        (self._turns[k - 1] if role is Role.USER else h._turn).deleted = True
 
     def suspend(self) -> None:
         self._check_open()
@@ -381,7 +399,7 @@ class FakeConversation:
 
     @property
     def history(self) -> list[HistoryTurn]:
-        return [HistoryTurn(role=t.role, audio_frames=t.frames) for t in self._turns if t.done]
+        return [HistoryTurn(role=t.role, audio_frames=t.frames) for t in self._turns if t.done and not t.deleted]
 
     # ---- for tests ----
     @property

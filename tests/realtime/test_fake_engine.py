@@ -134,7 +134,7 @@ def test_no_chunk_is_yielded_after_cancel_even_if_queued():
     run(main())
 
 
-def test_truncate_and_cancel_after_completion_cut_the_latest_answer_only():
+def test_truncate_cuts_any_answer_in_the_history_and_cancel_after_completion_the_latest_only():
     async def main():
         eng = FakeEngine(answer_ms=600)
         conv, h = answering(eng, user_ms=100)
@@ -152,11 +152,12 @@ def test_truncate_and_cancel_after_completion_cut_the_latest_answer_only():
         h2 = conv.respond("r2")
         await collect(h2)
         await h2.wait_ended()
-        conv.truncate("r1", 0)  # older: ignored
-        h.cancel(0)  # older: ignored
+        h.cancel(0)  # an older handle: ignored
         assert [t.audio_frames for t in conv.history] == [5, 5, 5, 30]
+        conv.truncate("r1", 40)  # an older answer still in the history: cut
+        assert [t.audio_frames for t in conv.history] == [5, 2, 5, 30]
         assert [(t.response_id, t.played_ms, t.applied) for t in conv.truncates] == [
-            ("r1", 250, True), ("r1", 400, True), ("nope", 0, False), ("r1", 0, False)]
+            ("r1", 250, True), ("r1", 400, True), ("nope", 0, False), ("r1", 40, True)]
 
     run(main())
 

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, TruncateCall
 
 from engine.service_api import AtCapacity, Role
 from realtime.audio import InputDecoder, WireFormat
@@ -207,13 +207,17 @@ def test_client_cancel_then_truncate_after_completion():
         assert link.of("conversation.item.truncated")[0]["audio_end_ms"] == 100
         assert [(t.response_id, t.played_ms, t.applied) for t in conv.truncates] == [(rid2, 100.0, True)]
         assert conv.history[-1].role is Role.ASSISTANT and conv.history[-1].audio_frames == 5
-        # the cancelled item is not the latest: refused, the engine is not told
+        # an older item still in the history can be cut too; past the audio it had: refused, the engine not told
         item1 = done1["output"][0]["id"]
-        link.feed({"type": "conversation.item.truncate", "event_id": "ev_t1", "item_id": item1, "audio_end_ms": 50})
+        link.feed({"type": "conversation.item.truncate", "item_id": item1, "audio_end_ms": 20})
+        await until(lambda: len(link.of("conversation.item.truncated")) == 2, "the second conversation.item.truncated")
+        assert conv.truncates[-1] == TruncateCall(rid1, 20.0, True)
+        assert [t.audio_frames for t in conv.history][1] == 1
+        link.feed({"type": "conversation.item.truncate", "event_id": "ev_t1", "item_id": item1, "audio_end_ms": 60_000})
         await until(lambda: link.of("error"), "an error")
         err = link.of("error")[0]["error"]
-        assert err["code"] == "item_not_truncatable" and err["event_id"] == "ev_t1"
-        assert len(conv.truncates) == 1
+        assert (err["code"], err["param"], err["event_id"]) == ("audio_end_ms_out_of_range", "audio_end_ms", "ev_t1")
+        assert len(conv.truncates) == 2
         link.hang_up()
         await rig.ended(runner)
         assert rig.metric("duplex_responses_total", status="cancelled") == 1.0
@@ -247,6 +251,55 @@ def test_exchanges_the_engine_drops_for_its_context_are_deleted_items():
         link.feed({"type": "conversation.item.truncate", "event_id": "ev_t", "item_id": answer1, "audio_end_ms": 10})
         await until(lambda: link.of("error"), "an error")
         assert link.of("error")[0]["error"]["code"] == "item_not_found" and not conv.truncates
+        link.hang_up()
+        await rig.ended(runner)
+
+    run(main)
+
+
+def test_audio_items_deleted_by_the_client_leave_the_models_history():
+    """conversation.item.delete of audio turns (LiveKit's update_chat_ctx deletes what its context lost):
+    the engine stops reading that turn; an answer in progress, or a user turn not yet answered, is
+    refused with the reason; a deleted item is then unknown."""
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=200, chunk_ms=80))
+        link = MemoryLink()
+        runner = rig.open(link)
+        conv = rig.conv(runner)
+        link.feed({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}}})
+        for k in range(2):  # two exchanges: a committed user turn, then its answer
+            link.feed(*appends(speech16(0.2, seed=k)), {"type": "input_audio_buffer.commit"}, {"type": "response.create"})
+            await until(lambda: len(link.of("response.done")) == k + 1, f"response.done {k + 1}")
+        await conv.handles[1].wait_ended()
+        (user1, user2), (answer1, answer2) = ([e["item_id"] for e in link.of("input_audio_buffer.committed")],
+                                              [e["response"]["output"][0]["id"] for e in link.of("response.done")])
+        rid1, rid2 = conv.respond_ids
+        link.feed({"type": "conversation.item.delete", "item_id": answer1}, {"type": "conversation.item.delete", "item_id": user2})
+        await until(lambda: len(link.of("conversation.item.deleted")) == 2, "two conversation.item.deleted")
+        assert [e["item_id"] for e in link.of("conversation.item.deleted")] == [answer1, user2]
+        assert [c for c in conv.calls if c[0] == "delete_turn"] == [("delete_turn", rid1, Role.ASSISTANT), ("delete_turn", rid2, Role.USER)]
+        assert [t.role for t in conv.history] == [Role.USER, Role.ASSISTANT]  # user 1, answer 2
+        link.feed({"type": "conversation.item.retrieve", "item_id": user1}, {"type": "conversation.item.retrieve", "item_id": answer2})
+        await until(lambda: len(link.of("conversation.item.retrieved")) == 2, "the kept items retrieved")
+        assert [e["item"]["id"] for e in link.of("conversation.item.retrieved")] == [user1, answer2]
+        # refused: a deleted item (unknown now), a committed turn with no answer yet, an answer in progress
+        link.feed({"type": "conversation.item.delete", "event_id": "ev_gone", "item_id": answer1},
+                  {"type": "conversation.item.truncate", "event_id": "ev_gone_t", "item_id": answer1, "audio_end_ms": 0},
+                  *appends(speech16(0.2, seed=5)), {"type": "input_audio_buffer.commit"})
+        await until(lambda: len(link.of("input_audio_buffer.committed")) == 3, "the third commit")
+        user3 = link.of("input_audio_buffer.committed")[2]["item_id"]
+        link.feed({"type": "conversation.item.delete", "event_id": "ev_unanswered", "item_id": user3})
+        conv.plan = dataclasses.replace(conv.plan, answer_ms=3000)
+        link.feed({"type": "response.create"})
+        await until(lambda: len(link.of("response.created")) == 3, "the third response.created")
+        answer3 = link.of("response.created")[2]["response"]["id"]
+        item3 = link.of("response.output_item.added")[2]["item"]["id"]
+        link.feed({"type": "conversation.item.delete", "event_id": "ev_running", "item_id": item3})
+        await until(lambda: len(link.of("error")) == 4, "four errors")
+        errors = {e["error"]["event_id"]: e["error"]["code"] for e in link.of("error")}
+        assert errors == {"ev_gone": "item_not_found", "ev_gone_t": "item_not_found", "ev_unanswered": "item_not_deletable",
+                          "ev_running": "item_not_deletable"}
+        assert len([c for c in conv.calls if c[0] == "delete_turn"]) == 2 and answer3
         link.hang_up()
         await rig.ended(runner)
 

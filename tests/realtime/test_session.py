@@ -433,7 +433,7 @@ def test_truncate_errors_and_cuts():
     assert (done.status, done.reason, done.played_ms) == (ResponseStatus.CANCELLED, "client_cancelled", 200.0)
 
 
-def test_truncate_after_completion_recuts_the_engine_turn_and_only_the_latest_item():
+def test_truncate_after_completion_recuts_the_engine_turn_of_any_item_in_the_history():
     s, rec, now, rid = manual_turn_answered()
     item = rec.of(ResponseCreated)[0].item_id
     engine_chunk(s, rid, answer(400), now, rec, is_last=True)
@@ -447,9 +447,12 @@ def test_truncate_after_completion_recuts_the_engine_turn_and_only_the_latest_it
     now = feed_audio(s, silence(200), now, rec)
     commit(s, now, rec)
     create_response(s, now, rec)
+    rec.clear()
+    truncate(s, item, 100, now, rec)  # no longer the latest, still in the history: cut again, nothing cancelled
+    assert rec.of(TruncateResponse) == [TruncateResponse(rid, 100.0)] and rec.of(CancelResponse) == []
     with pytest.raises(SessionError) as e:
-        truncate(s, item, 100, now, rec)
-    assert e.value.code == "item_not_truncatable"
+        truncate(s, item, 500, now, rec)
+    assert (e.value.code, e.value.param) == ("audio_end_ms_out_of_range", "audio_end_ms")
 
 
 # ---- engine errors and late chunks ----------------------------------------------------------------
