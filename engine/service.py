@@ -6,6 +6,7 @@ Implements engine/service_api.py. Data flows one way:
         ─▶ incremental prefill (prefix-cached KV of the stable part, while the user talks)
     respond ─▶ vLLM (AsyncOpusEngine) steps ─▶ frame assembly ─▶ codec stage thread ─▶ AudioChunk
     cancel(played_ms) ─▶ abort in vLLM at the next step; history keeps the played frames only
+    respond(speculative=True) ─▶ the same, on a fork of the user turn that `discard()` takes back
 
 The history's KV is reused across turns by vLLM's prefix cache, salted per conversation (block
 hashes cover stream 0 only; within one conversation equal stream-0 prefixes have equal aux
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import itertools
 import logging
 import os
@@ -38,6 +40,7 @@ from engine.dialogue import (
     MIN_ANSWER_FRAMES,
     answer_rows,
     fit_context,
+    history_rows,
     response_prompt,
     stable_user_prefix,
 )
@@ -122,6 +125,7 @@ class _UserTurn:
     frames: list[np.ndarray] = field(default_factory=list)
     prefilled_frames: int = 0
     drop: int = 0  # history turns the incremental prefill dropped: the response drops at least these
+    flushed_from: int = 0  # a speculative fork: its frames from here on were flushed from a copy
     done: asyncio.Future | None = None  # resolves when the tokenizer has flushed the turn
     last_job: asyncio.Future | None = None
 
@@ -136,6 +140,20 @@ class _UserTurn:
 
 
 _END = object()  # chunk-queue sentinel: the response ended without a last chunk (cancel)
+
+
+@dataclass
+class _Speculation:
+    """What a speculative answer's `discard()` needs to take it back."""
+
+    user: _UserTurn  # the user turn as it was, still open: it goes on after a discard
+    last: "Response | None"  # the conversation's latest answer before this one
+    # the history before the answer touched it (context management may drop turns, the user turn is
+    # appended): (turns, exchanges, history_dropped), taken when generation starts
+    history: tuple | None = None
+    # prompt positions [lo, hi) holding the fork's flushed frames: tokenized without the audio that
+    # follows, they may match the continued turn in stream 0 but not in the aux streams
+    flushed_rows: tuple[int, int] | None = None
 
 
 def _played_frames(played_ms: float) -> int:
@@ -166,6 +184,9 @@ class Response:
         # history to make room for this one, oldest first
         self.dropped_exchanges: tuple[str, ...] = ()
         self.delivered = asyncio.Event()  # the last chunk, the failure or the cancel reached the queue
+        self.speculation: _Speculation | None = None  # set while a speculative answer is undecided
+        self.discarded = False
+        self._on_discard = None  # the conversation's undo, set by `respond(speculative=True)`
 
     async def chunks(self) -> AsyncIterator[AudioChunk]:
         """Ends once the answer's turn is in the history, so the next prompt is known when it does."""
@@ -201,6 +222,21 @@ class Response:
             self._queue.get_nowait()
         self._queue.put_nowait(_END)
         self.delivered.set()
+
+    def confirm(self) -> None:
+        """The speculative answer stands (the user's turn did end): from now on it is a plain answer."""
+        self.speculation = None
+
+    def discard(self) -> None:
+        """The speculative answer never happened: generation stops, the history is restored as it was
+        before it, and the user turn it answered goes on (its frames and prefill kept). Idempotent."""
+        if self.discarded:
+            return
+        if self.speculation is None:
+            raise RuntimeError(f"response {self.id} is not an undecided speculative answer: cancel it instead")
+        self.discarded = True
+        self.cancel(0.0)
+        self._on_discard(self)
 
     # --- the engine's side ---
     def deliver(self, item: AudioChunk | BaseException | object) -> None:
@@ -244,7 +280,9 @@ class Conversation:
         self._last: Response | None = None
         self.history_dropped = 0  # turns dropped from the head of the history (context management)
         self._exchanges: list[str] = []  # the response id of each exchange in `_turns` (2 turns each)
-        self._deletions = 0  # turns the client deleted from the middle of the history (they change the salt)
+        # history edits that change the prefix-cache salt: turns the client deleted from the middle of
+        # the history, and discarded speculative answers whose flushed user frames filled a cache block
+        self._resalts = 0
         self._speaker: asyncio.Future | None = self._tokenize_speaker(options.speaker_prompt_pcm)
 
     @property
@@ -290,6 +328,7 @@ class Conversation:
     def push_user_audio(self, pcm_16k: np.ndarray) -> None:
         """Mono int16 (or float in [-1, 1]) at 16 kHz; tokenized off the loop as it arrives."""
         self._check_open()
+        self._check_decided()
         pcm = _as_float_pcm(pcm_16k, "user audio")
         if self._user is None:
             self._user = _UserTurn(tokenizer_state=self._engine.new_tokenizer_state())
@@ -301,6 +340,7 @@ class Conversation:
     def end_user_turn(self) -> None:
         """The user's turn is complete (VAD end of speech, or a client commit)."""
         self._check_open()
+        self._check_decided()
         if self._user is None:
             self._user = _UserTurn(tokenizer_state=self._engine.new_tokenizer_state())
         user = self._user
@@ -344,19 +384,68 @@ class Conversation:
 
     # --- the answer --------------------------------------------------------------------------
 
-    def respond(self, response_id: str) -> Response:
-        """Answer the user's turn: a handle whose `chunks()` yields the audio, in order."""
+    def respond(self, response_id: str, speculative: bool = False) -> Response:
+        """Answer the user's turn: a handle whose `chunks()` yields the audio, in order.
+
+        `speculative`: the user may not be done. The answer runs on a fork of the turn (its tokenizer
+        state copied, then flushed), the turn itself stays open, and until `confirm()` or `discard()`
+        no user audio may be pushed. A confirmed answer is exactly the one `end_user_turn()` then
+        `respond()` would have given; a discarded one leaves the history as it was and the turn goes on."""
         self._check_open()
         prev = self._response
         if prev is not None and not prev.cancelled:
             raise ResponseInProgress(f"conversation {self.id} is already responding ({prev.id})")
-        if self._user is None or self._user.done is None:
-            self.end_user_turn()
-        user, self._user = self._user, None
         response = Response(response_id)
+        if speculative and (self._user is None or self._user.done is None):
+            open_turn = self._user or _UserTurn(tokenizer_state=self._engine.new_tokenizer_state())
+            user = self._fork_ended(open_turn)
+            response.speculation = _Speculation(user=open_turn, last=self._last)
+            response._on_discard = self._discarded
+        else:
+            if self._user is None or self._user.done is None:
+                self.end_user_turn()
+            user = self._user
+        self._user = None
         self._response = self._last = response
         response.task = asyncio.ensure_future(self._generate(response, user, prev))
         return response
+
+    def _fork_ended(self, user: _UserTurn) -> _UserTurn:
+        """A copy of the open turn `user`, ended: its frames so far, then what the tokenizer flushes from
+        a copy of its state. `user` itself stays open (the tokenizer thread runs jobs in order, so the
+        copy is taken after every push already queued, and its frames arrive after theirs)."""
+        fork = _UserTurn(tokenizer_state=None, prefilled_frames=user.prefilled_frames, drop=user.drop)
+        fork.done = self._engine.tokenize(user.tokenizer_state, None, finish=True, fork=True)
+
+        def take(fut: asyncio.Future) -> None:
+            fork.frames = list(user.frames)
+            fork.flushed_from = user.num_frames
+            if not fut.cancelled() and fut.exception() is None and len(fut.result()):
+                fork.frames.append(fut.result())
+
+        fork.done.add_done_callback(take)
+        return fork
+
+    def _discarded(self, response: Response) -> None:
+        """`response.discard()`: the user turn goes on; the history is restored when its task ends."""
+        spec = response.speculation
+        self._user, self._last = spec.user, spec.last
+        if response.ended:
+            self._undo_speculation(response)
+
+    def _undo_speculation(self, response: Response) -> None:
+        spec = response.speculation
+        if spec.history is not None:
+            self._turns, self._exchanges, self.history_dropped = spec.history
+            spec.history = None
+        if spec.flushed_rows is not None:
+            # Block hashes cover stream 0 only: a cached block that ends among the fork's flushed frames
+            # could serve the continued turn the fork's aux streams. Only then is a new salt needed.
+            lo, hi = spec.flushed_rows
+            block = self._engine.config.kv_block_size
+            if (hi // block) * block > lo:
+                self._resalts += 1
+            spec.flushed_rows = None
 
     async def _generate(self, response: Response, user: _UserTurn, prev: Response | None) -> None:
         """The response's whole life. The user turn always enters the history (a cancel stops only the
@@ -366,6 +455,12 @@ class Conversation:
                 await asyncio.wait([prev.task])  # its turn must be in the history before ours
             failure = await self._tokenized(user)
             fit = self._fit(user.num_frames, at_least=user.drop)
+            if response.speculation is not None:
+                spec = response.speculation
+                spec.history = (list(self._turns), list(self._exchanges), self.history_dropped)
+                # the user segment starts after the kept history and its two marker rows
+                first = len(history_rows(self._turns[fit.drop :], self._speaker_frames())) + 2
+                spec.flushed_rows = (first + user.flushed_from, first + user.num_frames)
             self._drop_turns(fit.drop, response)
             # one exchange per response, whatever happens to it (service_api: the gateway counts on it)
             self._turns.append(DialogueTurn(vocab.USER, user.all_frames()))
@@ -433,7 +528,7 @@ class Conversation:
         alone, e.g. on silence), so each truncation point has its own salt; so does each deletion, which
         can bring two such turns together (a cut answer needs none: its end differs in stream 0)."""
         salt = self._salt if first_turn == 0 else f"{self._salt}@{first_turn}"
-        return salt if not self._deletions else f"{salt}~{self._deletions}"
+        return salt if not self._resalts else f"{salt}~{self._resalts}"
 
     def _drop_turns(self, n: int, response: Response) -> None:
         """Drop the `n` oldest turns (whole exchanges: fit_context cuts before a user turn)."""
@@ -461,7 +556,9 @@ class Conversation:
 
     def _end_response(self, response: Response) -> None:
         self._engine.close_stream(response.id)
-        if response.turn is not None:
+        if response.discarded:
+            self._undo_speculation(response)
+        elif response.turn is not None:
             frames = np.concatenate(response.frames) if response.frames else response.turn.frames
             if response.played_frames is not None:
                 frames = frames[: response.played_frames]
@@ -492,7 +589,7 @@ class Conversation:
         turn = user if role is Role.USER else answer
         if turn is not None and not turn.deleted:
             turn.deleted = True
-            self._deletions += 1
+            self._resalts += 1
             log.info("conversation %s: the client deleted the %s turn of response %s", self.id, role.name.lower(), response_id)
 
     def _exchange(self, response_id: str) -> tuple[DialogueTurn | None, DialogueTurn | None]:
@@ -506,8 +603,11 @@ class Conversation:
 
     def suspend(self) -> None:
         self._check_open()
-        if self._response is not None:
-            self._response.cancel(float("inf"))
+        r = self._response
+        if r is not None and r.speculation is not None and not r.discarded:
+            r.discard()  # the user's turn had not ended: it goes on if they come back
+        elif r is not None:
+            r.cancel(float("inf"))
         self._engine.set_suspended(self.id, True)
 
     def resume(self) -> None:
@@ -534,6 +634,11 @@ class Conversation:
     def _check_open(self) -> None:
         if self._closed:
             raise ConversationClosed(f"conversation {self.id} is closed")
+
+    def _check_decided(self) -> None:
+        r = self._response
+        if r is not None and r.speculation is not None and not r.discarded:
+            raise RuntimeError(f"response {r.id} is speculative: confirm or discard it before the user turn changes")
 
 
 class Engine:
@@ -724,11 +829,16 @@ class Engine:
     def close_stream(self, response_id: str) -> None:
         self._codec.close(response_id)
 
-    def tokenize(self, state, pcm: np.ndarray | None, finish: bool) -> asyncio.Future:
-        """Feed audio (or the end of the turn) to the tokenizer thread; resolves to new frames."""
+    def tokenize(self, state, pcm: np.ndarray | None, finish: bool, fork: bool = False) -> asyncio.Future:
+        """Feed audio (or the end of the turn) to the tokenizer thread; resolves to new frames.
+        `fork`: work on a copy of `state` (taken in the thread, after the jobs queued before), which
+        is left as it was."""
         tok = self._tokenizer
 
         def job() -> np.ndarray:
+            nonlocal state
+            if fork:
+                state = copy.deepcopy(state)
             if pcm is not None:
                 tok.push(state, pcm)
             if finish:

@@ -9,6 +9,8 @@ The gateway (realtime/) imports this module and nothing else from engine/ at imp
     conv.push_user_audio(pcm_16k)                        # tokenized + prefilled while the user talks
     conv.end_user_turn()
     handle = conv.respond(response_id)                   # the gateway's id is the engine's request id
+    handle = conv.respond(response_id, speculative=True) # before the turn is sure to have ended:
+    handle.confirm() / handle.discard()                  #   it stands / it never happened, the turn goes on
     async for chunk in handle.chunks(): ...              # AudioChunk, in order, until is_last
     handle.dropped_exchanges                             # context management: earlier responses dropped for it
     handle.cancel(played_ms)                             # barge-in: stop; history keeps what was played
@@ -149,6 +151,16 @@ class ResponseHandle(Protocol):
         """Stop generating at the next step; the history keeps `played_ms` of this answer. Idempotent,
         and valid before generation started (it then never starts) and after it ended (it cuts)."""
 
+    def confirm(self) -> None:
+        """A speculative answer stands: the user's turn did end where it was forked. It is a plain
+        answer from now on (cancel, truncate as any). No-op for an answer that was not speculative."""
+
+    def discard(self) -> None:
+        """A speculative answer never happened (the user went on speaking): generation stops, no more
+        chunks, the history is as if it had never started (its exchange, and any exchange context
+        management dropped for it, restored), and the user turn goes on from where it was forked,
+        its frames and prefill kept. Idempotent; raises RuntimeError once confirmed."""
+
 
 class Conversation(Protocol):
     id: str
@@ -159,10 +171,15 @@ class Conversation(Protocol):
 
     def end_user_turn(self) -> None: ...
 
-    def respond(self, response_id: str) -> ResponseHandle:
+    def respond(self, response_id: str, speculative: bool = False) -> ResponseHandle:
         """Answer the user's turn (ending it if it is still open). Returns at once; generation starts
         when the previous response, if cancelled and still winding down, has ended. Raises
         `ResponseInProgress` while another response is generating and not cancelled.
+
+        `speculative` (the turn is open: the user paused, the VAD has not decided): answer the turn as
+        it is now while keeping it open, so that `handle.discard()` can take the answer back and the
+        turn go on. Until the handle is confirmed or discarded no user audio may be pushed. A confirmed
+        answer is exactly what `end_user_turn()` and `respond()` at the same point would have given.
 
         Every response adds one exchange to the history, its user turn then its answer (cut, empty
         or failed as it may be), known by the response's id (`dropped_exchanges`).

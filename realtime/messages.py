@@ -63,6 +63,7 @@ class HistoryDropped:
     """The engine dropped these earlier responses' exchanges from the history to fit the model's context."""
 
     response_ids: tuple[str, ...]
+    for_response: str  # the response that needed the room
 
 
 @dataclass(frozen=True, slots=True)

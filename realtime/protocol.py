@@ -397,7 +397,8 @@ class RealtimeProtocol:
             self._emit("output_audio_buffer.started", response_id=ev.response_id)
         if self.extensions and (ev.ttfa_ms is not None or ev.start_ms == 0):
             self._emit("duplex.latency", response_id=ev.response_id, epoch=ev.epoch, mark="first_audio",
-                       ttfa_ms=None if ev.ttfa_ms is None else round(ev.ttfa_ms, 1))
+                       ttfa_ms=None if ev.ttfa_ms is None else round(ev.ttfa_ms, 1),
+                       after_confirm_ms=None if ev.after_confirm_ms is None else round(ev.after_confirm_ms, 1))
         self._send_frames(ev.response_id, ev.item_id, ev.epoch, self._encoder.encode(ev.pcm))
 
     def _send_frames(self, response_id: str, item_id: str, epoch: int, frames: list[bytes]) -> None:
@@ -442,7 +443,8 @@ class RealtimeProtocol:
         resp = self._response_object(ev.response_id, status, details, [item], ev.metadata)
         if self.extensions:
             resp["duplex"] = {"epoch": ev.epoch, "audio_ms": round(ev.audio_ms, 1), "played_ms": round(ev.played_ms, 1),
-                              "ttfa_ms": None if ev.ttfa_ms is None else round(ev.ttfa_ms, 1)}
+                              "ttfa_ms": None if ev.ttfa_ms is None else round(ev.ttfa_ms, 1),
+                              "after_confirm_ms": None if ev.after_confirm_ms is None else round(ev.after_confirm_ms, 1)}
         self._emit("response.done", response=resp)
 
     _SENDERS = {

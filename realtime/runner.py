@@ -45,8 +45,8 @@ from realtime.messages import (
 from realtime.metrics import GatewayMetrics
 from realtime.resume import ReplayBuffer, ResumeRefused
 from realtime.session import (
-    CancelResponse, EndTurn, OutputCleared, PushAudio, ResponseAudio, ResponseDone, Session, SessionError, SessionStats,
-    DeleteTurn, StartResponse, TruncateResponse,
+    CancelResponse, ConfirmResponse, DeleteTurn, DiscardResponse, EndTurn, OutputCleared, PushAudio, ResponseAudio, ResponseDone,
+    Session, SessionError, SessionStats, StartResponse, TruncateResponse,
 )
 from realtime.input_budget import InputBudget
 from realtime.session_input import SessionInput, apply_inputs, rate_error
@@ -393,6 +393,8 @@ class SessionRunner:
         r = self.session.response
         if self._detached_at is None or self.suspended or (r is not None and not r.status.finished) or self.session.vad_pending:
             return  # (audio still in the VAD could end the turn and start an answer)
+        self.session.discard_speculation()  # no audio comes to confirm it: the turn stays open for a resume
+        self._run_commands()
         self.conv.suspend()
         self.suspended = True
         log.info("session %s: detached, engine slot released until a resume", self.id)
@@ -500,18 +502,20 @@ class SessionRunner:
                 self._last_client = now
                 self._client_input(lambda: self.proto.receive(data, now), now)
                 if (options := self.proto.take_engine_options()) is not None:
+                    self.session.discard_speculation()  # it answers with the old settings
                     self.conv.update_options(options)  # applies from the conversation's next response on
             case TransportAudio(pcm):
                 self._last_client = now
                 self._client_input(lambda: self.proto.receive_audio(pcm, now), now)
             case EngineChunk(rid, chunk):
                 self.session.receive_engine_chunk(rid, chunk.pcm, chunk.text_delta, chunk.is_last, chunk.deadline, now)
-            case HistoryDropped(rids):
-                self.session.receive_history_dropped(rids)
-                self.deps.metrics.exchanges_dropped.inc(len(rids))
+            case HistoryDropped(rids, for_response):
+                if self.session.speculation is None or self.session.speculation.id != for_response:
+                    self.deps.metrics.exchanges_dropped.inc(len(rids))  # a speculation's, once confirmed
+                self.session.receive_history_dropped(rids, for_response)
             case EngineFailed(rid, error):
-                self.session.receive_engine_error(rid, now)
-                self.proto.error(getattr(error, "code", "engine_error"), f"the engine failed this response: {error}")
+                if self.session.receive_engine_error(rid, now):
+                    self.proto.error(getattr(error, "code", "engine_error"), f"the engine failed this response: {error}")
             case Throttled(rejection):
                 if rejection.report:
                     self.proto.input_refused(rate_error(rejection, self.budget.limits), None)
@@ -553,11 +557,22 @@ class SessionRunner:
                     self.conv.push_user_audio(pcm)
                 case EndTurn():
                     self.conv.end_user_turn()
-                case StartResponse(rid):
-                    self._latest = handle = self.conv.respond(rid)
+                case StartResponse(rid, speculative):
+                    self._latest = handle = self.conv.respond(rid, speculative=speculative)
                     pump = asyncio.create_task(self._pump(handle))
                     self._pumps.add(pump)
                     pump.add_done_callback(self._pumps.discard)
+                case ConfirmResponse(rid):
+                    if self._latest is not None and self._latest.id == rid:
+                        self._latest.confirm()
+                        self.deps.metrics.speculative.labels("confirmed").inc()
+                        r = self.session.response
+                        if r is not None and r.id == rid:
+                            self.deps.metrics.exchanges_dropped.inc(len(r.dropped))
+                case DiscardResponse(rid):
+                    if self._latest is not None and self._latest.id == rid:
+                        self._latest.discard()
+                        self.deps.metrics.speculative.labels("discarded").inc()
                 case CancelResponse(rid, played_ms):
                     if self._latest is not None and self._latest.id == rid:
                         self._latest.cancel(played_ms)
@@ -572,7 +587,7 @@ class SessionRunner:
         def tell_dropped() -> None:  # the handle's `dropped_exchanges` is final by its first chunk or its end
             nonlocal dropped_told
             if not dropped_told and handle.dropped_exchanges:
-                self.inbox.put_server(HistoryDropped(handle.dropped_exchanges))
+                self.inbox.put_server(HistoryDropped(handle.dropped_exchanges, handle.id))
             dropped_told = True
 
         try:

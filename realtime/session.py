@@ -8,6 +8,13 @@ caller drains two outputs:
 - `commands()`: `EngineCommand`s for the shell to run against the engine conversation
   (push audio, end the user turn, start/cancel a response).
 
+Speculative response (VAD mode): when the user's speech pauses (`VadParams.speculate_after_ms` of
+silence) the answer is started at once, but nothing of it reaches `events()`: its audio is held.
+If the silence lasts to `silence_duration_ms`, the turn is confirmed and the answer goes out as any
+other, its held audio first; if the user speaks again first, it is discarded (the engine takes it
+back) and the turn goes on. The user's turn as the engine hears it ends at the pause either way: the
+rest of the end-of-turn silence is held, and pushed only if the turn goes on.
+
 Audio in and out is mono int16 at 16 kHz (the engine's rate); transports convert at the edge.
 Output audio is released by `poll_audio(now)` on the pacer's absolute schedule, so the session knows
 what was sent and, from acknowledgements or the schedule, what was played (the playback cursor).
@@ -103,6 +110,7 @@ class ResponseAudio:
     pcm: np.ndarray  # int16, 16 kHz, one pacing frame
     start_ms: float  # offset in the response's audio
     ttfa_ms: float | None = None  # on the first frame only: end of user speech -> this frame
+    after_confirm_ms: float | None = None  # on the first frame only: the turn's end confirmed -> this frame
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,7 @@ class ResponseDone:
     played_ms: float  # what the history keeps (cancelled) or all sent (completed)
     ttfa_ms: float | None  # end of user speech -> first audio frame released
     metadata: dict | None = None
+    after_confirm_ms: float | None = None  # the turn's end confirmed -> first audio frame released
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,21 @@ class EndTurn:
 @dataclass(frozen=True)
 class StartResponse:
     response_id: str
+    speculative: bool = False  # the user's turn is still open: the engine forks it (conv.respond(speculative=True))
+
+
+@dataclass(frozen=True)
+class ConfirmResponse:
+    """The speculative response stands: the user's turn ended where it was forked."""
+
+    response_id: str
+
+
+@dataclass(frozen=True)
+class DiscardResponse:
+    """The speculative response never happened: the user's turn goes on."""
+
+    response_id: str
 
 
 @dataclass(frozen=True)
@@ -191,7 +215,9 @@ class DeleteTurn:
     role: Role
 
 
-EngineCommand = PushAudio | EndTurn | StartResponse | CancelResponse | TruncateResponse | DeleteTurn
+EngineCommand = (
+    PushAudio | EndTurn | StartResponse | ConfirmResponse | DiscardResponse | CancelResponse | TruncateResponse | DeleteTurn
+)
 
 
 # --- state ---------------------------------------------------------------------------------------
@@ -220,6 +246,9 @@ class Response:
     turn_end_time: float | None = None  # monotonic end of the user speech this answers
     first_audio_time: float | None = None
     metadata: dict | None = None
+    speculative: bool = False  # started at a pause, not yet confirmed: nothing of it is sent
+    confirmed_at: float | None = None  # a speculative response: when the turn's end was confirmed
+    dropped: tuple[str, ...] = ()  # context management's drops for a speculative response, told at confirmation
 
 
 @dataclass
@@ -230,6 +259,8 @@ class SessionStats:
     chunks_late: int = 0
     input_frames: int = 0  # audio frames (messages, RTP frames) the session consumed
     ttfa_ms: list = field(default_factory=list)
+    speculative_confirmed: int = 0
+    speculative_discarded: int = 0
 
 
 _ids = itertools.count(1)
@@ -260,6 +291,10 @@ class Session:
         self._recent: deque = deque()  # VAD mode, not speaking: recent audio for prefix padding
         self._recent_samples = 0
         self._pushed_samples = 0  # audio of the current user turn already sent to the engine
+        self._paused = False  # VAD mode: the user's speech paused (speculate_after_ms): audio is held
+        self._held: list[np.ndarray] = []  # audio since the pause: pushed if the turn goes on, else not
+        self.speculation: Response | None = None  # the answer started at the pause, not confirmed yet
+        self.speculation_allowed = True  # the shell may withhold speculation (e.g. under load)
         self._user_item: str | None = None  # the user item being spoken / buffered
         self._last_item: str | None = None
         self._speech_end_time: float | None = None  # monotonic end of the last committed user speech
@@ -322,6 +357,7 @@ class Session:
         self.settle_vad()
         if vad is not None:
             vad.validate()
+        self._resume_turn()  # the pause was decided under the old parameters
         self.vad_params = vad
         if vad is None:
             self._vad = None
@@ -355,23 +391,44 @@ class Session:
         self._receive_speech_audio(pcm, now, self._silero.process(pcm))
 
     def _receive_speech_audio(self, pcm: np.ndarray, now: float, probs: list[float]) -> None:
-        """Server-VAD mode: user audio with the speech probabilities of the windows it completed."""
-        chunk_end_ms = 1000.0 * (self._input_samples + pcm.size) / RATE_HZ
-        was_speaking = self._vad.speaking
-        self._input_samples += pcm.size
-        if was_speaking:
-            self._push(pcm)
-        else:
-            self._remember(pcm)
+        """Server-VAD mode: user audio with the speech probabilities of the windows it completed. Each
+        piece of it goes where the VAD's state was when it arrived: before an event, the old state."""
+        start = self._input_samples
+        chunk_end_ms = 1000.0 * (start + pcm.size) / RATE_HZ
+        speaking = self._vad.speaking
+        pos = 0
         for ev in self._vad.feed(probs):
+            at = min(max(int(round(ev.at_ms * RATE_HZ / 1000.0)) - start, pos), pcm.size)
+            self._route(pcm[pos:at], speaking)
+            pos = at
             if ev.kind == "started":
+                speaking = True
                 self._on_speech_started(ev.audio_ms, now)
+            elif ev.kind == "paused":
+                self._on_paused(now)
+            elif ev.kind == "resumed":
+                self._resume_turn()
             else:
+                speaking = False
                 self._on_speech_stopped(ev.audio_ms, now, lag_ms=chunk_end_ms - ev.audio_ms)
+        self._route(pcm[pos:], speaking)
+
+    def _route(self, pcm: np.ndarray, speaking: bool) -> None:
+        if not pcm.size:
+            return
+        self._input_samples += pcm.size  # the input timeline, up to this piece (what `_recent` ends with)
+        if not speaking:
+            self._remember(pcm)
+        elif self._paused:
+            self._held.append(pcm)
+        else:
+            self._push(pcm)
 
     def receive_commit(self, now: float) -> None:
         self.settle_vad()
         if self._vad is not None and self._vad.speaking:
+            self.discard_speculation()
+            self._end_pause()
             self._vad.reset(self.input_ms)
             self._commit(now)
             return
@@ -387,6 +444,8 @@ class Session:
 
     def receive_clear(self) -> None:
         self.settle_vad()
+        self.discard_speculation()
+        self._paused, self._held = False, []
         self._turn, self._turn_samples = [], 0
         self._recent.clear()
         self._recent_samples = 0
@@ -429,13 +488,60 @@ class Session:
 
     def _on_speech_stopped(self, audio_end_ms: float, now: float, lag_ms: float) -> None:
         self._events.append(SpeechStopped(self._user_item or "", audio_end_ms))
-        self._commit(now - max(0.0, lag_ms) / 1000.0)
-        if self.vad_params.create_response and (self.response is None or self.response.status.finished):
+        self._end_pause()
+        spec = self.speculation
+        self._commit(now - max(0.0, lag_ms) / 1000.0, end_turn=spec is None)  # a speculation ended it at the pause
+        if spec is not None:
+            self._confirm(spec, now)
+        elif self.vad_params.create_response and (self.response is None or self.response.status.finished):
             self.receive_response_create(now)
 
-    def _commit(self, speech_end_time: float) -> None:
+    def _on_paused(self, now: float) -> None:
+        """The user's speech paused: their turn (as the engine hears it) ends here unless it goes on;
+        start the answer now, unseen, so that it is ready if the silence does end the turn."""
+        self._paused = True
+        p = self.vad_params
+        if (not p.speculative or not p.create_response or not self.speculation_allowed or self.speculation is not None
+                or (self.response is not None and not self.response.status.finished)):
+            return
+        r = Response(id=new_id("resp"), item_id=new_id("item"), epoch=self._epoch, speculative=True)
+        self.speculation = r
+        self._commands.append(StartResponse(r.id, speculative=True))
+
+    def _resume_turn(self) -> None:
+        """The user's turn goes on after a pause: a speculative answer is discarded, the held audio joins the turn."""
+        self.discard_speculation()
+        held, self._paused, self._held = self._held, False, []
+        if held:
+            self._push(np.concatenate(held))
+
+    def _end_pause(self) -> None:
+        """The turn ended: the audio held since the pause is not part of it (it is silence before what comes next)."""
+        for pcm in self._held:
+            self._remember(pcm)
+        self._paused, self._held = False, []
+
+    def discard_speculation(self) -> None:
+        """Take back the speculative answer, if one runs: the engine forgets it, the client never knew of it."""
+        r, self.speculation = self.speculation, None
+        if r is not None:
+            self._commands.append(DiscardResponse(r.id))
+            self.stats.speculative_discarded += 1
+
+    def _confirm(self, r: Response, now: float) -> None:
+        """The silence ended the turn: the speculative answer becomes the response, its held audio paced out from now."""
+        self.speculation = None
+        r.speculative, r.epoch, r.confirmed_at = False, self._epoch, now
+        self._commands.append(ConfirmResponse(r.id))
+        self.stats.speculative_confirmed += 1
+        self._begin(r)
+        if r.dropped:
+            self.receive_history_dropped(r.dropped)
+
+    def _commit(self, speech_end_time: float, end_turn: bool = True) -> None:
         item = self._user_item or new_id("item")
-        self._commands.append(EndTurn(item))
+        if end_turn:
+            self._commands.append(EndTurn(item))
         self._turn_items.append(item)
         self._events.append(InputCommitted(item, self._last_item))
         self._last_item, self._user_item, self._pushed_samples = item, None, 0
@@ -462,7 +568,14 @@ class Session:
         self.settle_vad()
         if self.response is not None and not self.response.status.finished:
             raise SessionError("conversation_already_has_active_response", f"response {self.response.id} is still in progress")
+        self.discard_speculation()  # the client asks for an answer now, to the turn as it stands
         r = Response(id=new_id("resp"), item_id=new_id("item"), epoch=self._epoch, metadata=metadata)
+        self._commands.append(StartResponse(r.id))
+        self._begin(r)
+        return r.id
+
+    def _begin(self, r: Response) -> None:
+        """`r` becomes the session's response: announced, in the history, paced out from now."""
         r.turn_end_time = self._speech_end_time
         r.acked_ms = 0.0 if self.limits.acked_playback else None
         self._speech_end_time = None
@@ -473,10 +586,8 @@ class Session:
         self._exchange_items[r.id], self._turn_items = [*self._turn_items, r.item_id], []
         self._pacer.reset()
         self.stats.responses += 1
-        self._events.append(ResponseCreated(r.id, r.item_id, r.epoch, metadata))
-        self._commands.append(StartResponse(r.id))
+        self._events.append(ResponseCreated(r.id, r.item_id, r.epoch, r.metadata))
         self._last_item = r.item_id
-        return r.id
 
     def receive_response_cancel(self, now: float, response_id: str | None = None) -> None:
         r = self.response
@@ -492,15 +603,24 @@ class Session:
         if r is not None and not r.status.finished:
             self._interrupt("client_cancelled", now)
 
+    def _engine_response(self, response_id: str) -> Response | None:
+        """The running response (or the speculative one) the engine's output is for; None for output
+        of a finished, cancelled or discarded one, which is never played."""
+        for r in (self.response, self.speculation):
+            if r is not None and r.id == response_id and not r.status.finished:
+                return r
+        return None
+
     def receive_engine_chunk(self, response_id: str, pcm: np.ndarray, text_delta: str, is_last: bool, deadline: float | None, now: float) -> None:
-        r = self.response
-        if r is None or r.id != response_id or r.status.finished:
-            return  # late output of a cancelled response: never played
-        if deadline is not None and now > deadline:
+        r = self._engine_response(response_id)
+        if r is None:
+            return
+        if deadline is not None and now > deadline and not r.speculative:
             self.stats.chunks_late += 1
         if text_delta:
             r.transcript += text_delta
-            self._events.append(ResponseText(r.id, r.item_id, r.epoch, text_delta))
+            if not r.speculative:
+                self._events.append(ResponseText(r.id, r.item_id, r.epoch, text_delta))
         if pcm.size:
             if 1000.0 * (r.pending_samples + pcm.size) / RATE_HZ > self.limits.max_response_buffer_ms:
                 pcm = pcm[: max(0, int(self.limits.max_response_buffer_ms * RATE_HZ / 1000) - r.pending_samples)]
@@ -509,11 +629,17 @@ class Session:
         if is_last:
             r.status = ResponseStatus.GENERATED
 
-    def receive_engine_error(self, response_id: str, now: float) -> None:
-        r = self.response
-        if r is None or r.id != response_id or r.status.finished:
-            return
+    def receive_engine_error(self, response_id: str, now: float) -> bool:
+        """The engine failed a response; True when the client is to be told (a speculative answer is
+        instead discarded: the confirmed turn gets a plain response, which fails visibly if it must)."""
+        r = self._engine_response(response_id)
+        if r is None:
+            return False
+        if r.speculative:
+            self.discard_speculation()
+            return False
         self._finish(r, ResponseStatus.FAILED, "engine_error", played_ms=self._played_ms(r, now))
+        return True
 
     def poll_audio(self, now: float) -> float | None:
         """Release the frames that are due; returns when the next one is due (None: nothing pending)."""
@@ -544,13 +670,15 @@ class Session:
             got += take
         r.pending_samples -= n
         pcm = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        ttfa = None
+        ttfa = after_confirm = None
         if r.first_audio_time is None:
             r.first_audio_time = now
             if r.turn_end_time is not None:
                 ttfa = 1000.0 * (now - r.turn_end_time)
                 self.stats.ttfa_ms.append(ttfa)
-        self._events.append(ResponseAudio(r.id, r.item_id, r.epoch, pcm, 1000.0 * r.sent_samples / RATE_HZ, ttfa))
+            if r.confirmed_at is not None:
+                after_confirm = 1000.0 * (now - r.confirmed_at)
+        self._events.append(ResponseAudio(r.id, r.item_id, r.epoch, pcm, 1000.0 * r.sent_samples / RATE_HZ, ttfa, after_confirm))
         r.sent_samples += n
         self._pacer.on_sent(n, now)
 
@@ -563,8 +691,14 @@ class Session:
             return  # stale: an older response
         r.acked_ms = min(max(0.0, float(played_ms)), 1000.0 * r.sent_samples / RATE_HZ)
 
-    def receive_history_dropped(self, response_ids: tuple[str, ...]) -> None:
-        """The engine dropped these responses' exchanges from the conversation to fit its context."""
+    def receive_history_dropped(self, response_ids: tuple[str, ...], for_response: str | None = None) -> None:
+        """The engine dropped these responses' exchanges from the conversation to fit its context (to make
+        room for `for_response`: a speculative one tells the client once confirmed, a discarded one never)."""
+        if for_response is not None and self.speculation is not None and self.speculation.id == for_response:
+            self.speculation.dropped = response_ids
+            return
+        if for_response is not None and (self.response is None or self.response.id != for_response):
+            return  # a discarded speculation's drops: the engine restored them
         for rid in response_ids:
             for item_id in self._exchange_items.pop(rid, ()):
                 self._deleted_items.add(item_id)
@@ -575,6 +709,7 @@ class Session:
         r = None if item_id in self._deleted_items else self._assistant_items.get(item_id)
         if r is None:
             raise SessionError("item_not_found", f"no assistant item {item_id!r} in this conversation", "item_id")
+        self.discard_speculation()  # it answered the history before this edit
         sent_ms = 1000.0 * r.sent_samples / RATE_HZ
         if audio_end_ms < 0 or audio_end_ms > sent_ms + 1e-6:
             raise SessionError("audio_end_ms_out_of_range", f"audio_end_ms {audio_end_ms} is beyond the item's audio ({sent_ms:.0f} ms sent)", "audio_end_ms")
@@ -597,6 +732,7 @@ class Session:
         answer = self._assistant_items[items[-1]]  # an exchange's items: its user items, then the answer
         if not answer.status.finished:
             raise SessionError("item_not_deletable", f"response {rid} is in progress: cancel it first", "item_id")
+        self.discard_speculation()  # it answered the history before this edit
         if item_id != answer.item_id and len(items) > 2:
             raise SessionError("item_not_deletable", f"item {item_id!r} is one of {len(items) - 1} user items the model heard as "
                                                      "one turn: that turn cannot lose one of them", "item_id")
@@ -631,5 +767,6 @@ class Session:
         if status is not ResponseStatus.COMPLETED:
             self._epoch += 1
         ttfa = None if r.first_audio_time is None or r.turn_end_time is None else 1000.0 * (r.first_audio_time - r.turn_end_time)
+        after_confirm = None if r.first_audio_time is None or r.confirmed_at is None else 1000.0 * (r.first_audio_time - r.confirmed_at)
         self._events.append(ResponseDone(r.id, r.item_id, r.epoch, status, reason, r.transcript, 1000.0 * r.sent_samples / RATE_HZ, played_ms, ttfa,
-                                         r.metadata))
+                                         r.metadata, after_confirm))

@@ -133,6 +133,10 @@ def _formats(upd: SessionUpdate, cfg: dict, inp: dict, out: dict) -> None:
                 upd.refused.append(ClientError("invalid_value", f"'{param}': {e}", param))
 
 
+# ours, in either VAD type: the answer started at a pause in the user's speech (docs/protocol.md)
+SPECULATION_KEYS = (("speculative", bool), ("speculate_after_ms", int))
+
+
 def _turn_detection(upd: SessionUpdate, td, current: VadParams | None) -> None:
     p = "session.audio.input.turn_detection."
     if td is None:
@@ -148,12 +152,12 @@ def _turn_detection(upd: SessionUpdate, td, current: VadParams | None) -> None:
         if eagerness not in EAGERNESS:
             raise ClientError("invalid_value", f"eagerness must be one of {', '.join(EAGERNESS)}", p + "eagerness")
         kw["silence_duration_ms"], kw["threshold"] = EAGERNESS[eagerness]
-        keys = (("create_response", bool), ("interrupt_response", bool))
+        keys = (("create_response", bool), ("interrupt_response", bool), *SPECULATION_KEYS)
     elif kind == "server_vad":
         if td.get("idle_timeout_ms") is not None:
             raise unsupported(p + "idle_timeout_ms", "no idle-timeout prompts (use null)")
         keys = (("threshold", (int, float)), ("prefix_padding_ms", int), ("silence_duration_ms", int),
-                ("create_response", bool), ("interrupt_response", bool), ("min_speech_ms", int))
+                ("create_response", bool), ("interrupt_response", bool), ("min_speech_ms", int), *SPECULATION_KEYS)
     else:
         raise ClientError("invalid_value", f"turn_detection type {kind!r} is not supported (server_vad, semantic_vad or null)", p + "type")
     for key, types in keys:
@@ -235,7 +239,7 @@ def _audio_out(v) -> bool:
 
 def echo_turn_detection(vad: VadParams | None, wire: dict | None, extensions: bool) -> dict | None:
     """The turn_detection object of session.created/updated: semantic_vad as the client asked it;
-    server_vad with its parameters (`min_speech_ms` is ours: only for clients that opted in)."""
+    server_vad with its parameters (`min_speech_ms` and the speculation's are ours: only for clients that opted in)."""
     if vad is None:
         return None
     if wire is not None:
@@ -244,5 +248,5 @@ def echo_turn_detection(vad: VadParams | None, wire: dict | None, extensions: bo
           "silence_duration_ms": vad.silence_duration_ms, "idle_timeout_ms": None, "create_response": vad.create_response,
           "interrupt_response": vad.interrupt_response}
     if extensions:
-        td["min_speech_ms"] = vad.min_speech_ms
+        td.update(min_speech_ms=vad.min_speech_ms, speculative=vad.speculative, speculate_after_ms=vad.speculate_after_ms)
     return td

@@ -8,7 +8,10 @@ The package itself is never imported (its `__init__` imports torch): only its da
 `ServerVad` turns per-window speech probabilities into turn events with OpenAI's semantics:
 speech starts when a window's probability reaches `threshold` (after `min_speech_ms` of such windows),
 its reported start includes `prefix_padding_ms`; it stops after `silence_duration_ms` of windows below
-`threshold - hysteresis`. It is pure: positions in, events out, no clock.
+`threshold - hysteresis`. Between the two, after `speculate_after_ms` of silence, it reports a pause
+(the point where the session starts its answer speculatively and where the user's turn, as the model
+hears it, ends) and, if speech comes back before the turn ends, a resume. It is pure: positions in,
+events out, no clock.
 """
 
 from __future__ import annotations
@@ -153,11 +156,21 @@ class VadParams:
     interrupt_response: bool = True
     min_speech_ms: int = 64  # ours: speech must last this long before speech_started (clicks, coughs)
     hysteresis: float = 0.15  # ours: silence is probability < threshold - hysteresis (Silero's own rule)
+    # ours: after this much silence the answer is started speculatively, while the VAD waits out the
+    # rest of `silence_duration_ms` (docs/protocol.md, "Speculative response"); the user's turn as the
+    # model hears it ends here whether or not `speculative` is on, so both give the same answer
+    speculate_after_ms: int = 160
+    speculative: bool = True
+
+    @property
+    def pauses(self) -> bool:
+        """The pause comes before the end of the turn (else there is no pause: the turn keeps all its silence)."""
+        return _windows(self.speculate_after_ms) < _windows(self.silence_duration_ms)
 
     def validate(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError("turn_detection.threshold must be within [0, 1]")
-        for name in ("prefix_padding_ms", "silence_duration_ms", "min_speech_ms"):
+        for name in ("prefix_padding_ms", "silence_duration_ms", "min_speech_ms", "speculate_after_ms"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 10_000:
                 raise ValueError(f"turn_detection.{name} must be an integer in [0, 10000]")
@@ -169,10 +182,17 @@ class VadPhase(IntEnum):
     SPEECH = 2
 
 
+def _windows(ms: float) -> int:
+    """Whole windows that make at least `ms` (at least one)."""
+    return max(1, int(np.ceil(ms / WINDOW_MS)))
+
+
 @dataclass(frozen=True)
 class VadEvent:
-    kind: str  # "started" | "stopped"
-    audio_ms: float  # started: speech start minus prefix padding; stopped: end of the last speech window
+    kind: str  # "started" | "paused" | "resumed" | "stopped"
+    audio_ms: float  # started: speech start minus prefix padding; stopped: end of the last speech window;
+    #                  paused / resumed: where the pause / the speech again began (= at_ms)
+    at_ms: float  # the end of the window that decided it: where in the stream the event happened
 
 
 @dataclass
@@ -181,6 +201,7 @@ class _ServerVadState:
     windows_seen: int = 0
     speech_start_window: int = 0
     last_speech_window: int = 0
+    paused: bool = False
 
 
 class ServerVad:
@@ -201,17 +222,25 @@ class ServerVad:
 
     def feed(self, probs: list[float]) -> list[VadEvent]:
         p, st, events = self.params, self._state, []
-        min_windows = max(1, int(np.ceil(p.min_speech_ms / WINDOW_MS)))
-        silence_windows = max(1, int(np.ceil(p.silence_duration_ms / WINDOW_MS)))
+        min_windows = _windows(p.min_speech_ms)
+        silence_windows = _windows(p.silence_duration_ms)
+        pause_windows = _windows(p.speculate_after_ms) if p.pauses else None
         for prob in probs:
             i = st.windows_seen
             st.windows_seen += 1
+            end = self._ms(i + 1)
             if st.phase is VadPhase.SPEECH:
                 if prob >= p.threshold - p.hysteresis:
                     st.last_speech_window = i
+                    if st.paused:
+                        st.paused = False
+                        events.append(VadEvent("resumed", self._ms(i), self._ms(i)))
                 elif i - st.last_speech_window >= silence_windows:
-                    st.phase = VadPhase.SILENCE
-                    events.append(VadEvent("stopped", self._ms(st.last_speech_window + 1)))
+                    st.phase, st.paused = VadPhase.SILENCE, False
+                    events.append(VadEvent("stopped", self._ms(st.last_speech_window + 1), end))
+                elif pause_windows is not None and not st.paused and i - st.last_speech_window >= pause_windows:
+                    st.paused = True
+                    events.append(VadEvent("paused", end, end))
                 continue
             if prob < p.threshold:
                 st.phase = VadPhase.SILENCE
@@ -220,7 +249,7 @@ class ServerVad:
                 st.phase, st.speech_start_window = VadPhase.MAYBE_SPEECH, i
             if i - st.speech_start_window + 1 >= min_windows:
                 st.phase, st.last_speech_window = VadPhase.SPEECH, i
-                events.append(VadEvent("started", max(0.0, self._ms(st.speech_start_window) - p.prefix_padding_ms)))
+                events.append(VadEvent("started", max(0.0, self._ms(st.speech_start_window) - p.prefix_padding_ms), end))
         return events
 
     def _ms(self, window: int) -> float:

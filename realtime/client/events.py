@@ -87,6 +87,7 @@ class FirstAudio:
     response_id: str
     epoch: int
     ttfa_ms: float | None  # server side: end of user speech -> first audio sent
+    after_confirm_ms: float | None = None  # server side: end of the turn confirmed -> first audio sent (speculative answers)
 
 
 @dataclass(frozen=True)

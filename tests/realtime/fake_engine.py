@@ -35,6 +35,10 @@ Semantics, from the docstrings of service_api.py, plus the fake's own definite c
   history will keep without stopping it.
 - `delete_turn()` marks the exchange's user turn or answer deleted (out of `history`); raises
   `ResponseInProgress` while that response runs.
+- `respond(id, speculative=True)` ends the open user turn into the history as `respond()` does, but
+  keeps its audio; `discard()` takes the exchange (and any exchanges dropped for it) back out, reopens
+  the turn with that audio, and the next answer gets the index this one had (its audio is what it
+  would have been without the speculation). Pushing audio while undecided raises RuntimeError.
 """
 
 from __future__ import annotations
@@ -132,6 +136,9 @@ class FakeResponseHandle:
         self.started_at: float | None = None  # time.monotonic() of the first step
         self.dropped_exchanges: tuple[str, ...] = ()
         self.plan = conv.plan  # fixed at respond()
+        self.speculative = False  # undecided: confirm() or discard() is due
+        self.discarded = False
+        self._undo: tuple | None = None  # what discard() restores (set by the conversation)
         self._cap_frames: int | None = None  # the smallest cut so far (played_ms // 20)
         self._turn = _Turn(Role.ASSISTANT, 0, done=False)
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -171,6 +178,22 @@ class FakeResponseHandle:
         if not self.cancelled:
             self.cancelled = True
             self._queue.put_nowait(_END)  # wake the consumer: it ends without is_last
+
+    def confirm(self) -> None:
+        self.conv.calls.append(("confirm", self.id))
+        self.speculative = False
+
+    def discard(self) -> None:
+        if self.discarded:
+            return
+        if not self.speculative:
+            raise RuntimeError(f"response {self.id} is not an undecided speculative answer")
+        self.conv.calls.append(("discard", self.id))
+        self.discarded = True
+        if not self.cancelled:
+            self.cancelled = True
+            self._queue.put_nowait(_END)
+        self.conv._undo_speculation(self)
 
     # ---- for tests ----
     @property
@@ -285,6 +308,7 @@ class FakeConversation:
 
     def push_user_audio(self, pcm_16k: np.ndarray) -> None:
         self._check_open()
+        self._check_decided()
         pcm = np.asarray(pcm_16k)
         if pcm.ndim != 1 or pcm.dtype != np.int16:
             raise ValueError(f"user audio must be mono int16, got {pcm.dtype} {pcm.shape}")
@@ -296,6 +320,7 @@ class FakeConversation:
 
     def end_user_turn(self) -> None:
         self._check_open()
+        self._check_decided()
         self.calls.append(("end_turn",))
         self.end_turn_calls += 1
         self._end_turn()
@@ -311,23 +336,38 @@ class FakeConversation:
         self._open_user = None
         self._user_since_answer = True
 
-    def respond(self, response_id: str) -> FakeResponseHandle:
+    def respond(self, response_id: str, speculative: bool = False) -> FakeResponseHandle:
         self._check_open()
         prev = self._latest
         if prev is not None and not prev.ended and not prev.cancelled:
             raise ResponseInProgress(f"conversation {self.id} is already responding ({prev.id})")
-        self.calls.append(("respond", response_id))
+        self.calls.append(("speculate" if speculative else "respond", response_id))
         self.respond_ids.append(response_id)
+        undo = (list(self._turns), list(self._exchanges), self._open_user, self._user_since_answer, prev,
+                len(self.user_turns))
         if self._open_user is not None or not self._user_since_answer:
             self._end_turn()
         self._user_since_answer = False
-        h = FakeResponseHandle(self, response_id, len(self.handles), prev)
+        index = sum(not x.discarded for x in self.handles)
+        h = FakeResponseHandle(self, response_id, index, prev)
+        h.speculative, h._undo = speculative, undo
         h.dropped_exchanges = self._drop_exchanges()
         self._turns.append(h._turn)
         self._exchanges.append(h)
         self.handles.append(h)
         self._latest = h
         return h
+
+    def _undo_speculation(self, h: FakeResponseHandle) -> None:
+        turns, exchanges, open_user, since, prev, n_user_turns = h._undo
+        self._turns, self._exchanges, self._user_since_answer, self._latest = turns, exchanges, since, prev
+        del self.user_turns[n_user_turns:]  # an empty turn the fork may have opened and ended
+        self._open_user = open_user
+
+    def _check_decided(self) -> None:
+        h = self._latest
+        if h is not None and h.speculative and not h.discarded:
+            raise RuntimeError(f"response {h.id} is speculative: confirm or discard it before the user turn changes")
 
     def _drop_exchanges(self) -> tuple[str, ...]:
         limit = self.engine.context_exchanges
@@ -368,7 +408,9 @@ class FakeConversation:
         self._check_open()
         self.calls.append(("suspend",))
         h = self._latest
-        if h is not None and not h.ended and not h.cancelled:
+        if h is not None and h.speculative and not h.discarded:
+            h.discard()
+        elif h is not None and not h.ended and not h.cancelled:
             h.cancel(float("inf"))
         self.engine.suspended.add(self.id)
 

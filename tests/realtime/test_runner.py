@@ -67,12 +67,16 @@ def test_turn_taking_user_speech_to_a_paced_answer_of_the_engines_audio(vad_batc
         done = link.of("response.done")[0]["response"]
         assert done["id"] == rid and done["status"] == "completed" and done["status_details"] is None
         assert done["duplex"]["audio_ms"] == 1000.0 and done["duplex"]["epoch"] == 0
-        # the engine: the user's audio from the (padded) speech start, the turn ended, then respond(rid)
+        # the engine: the user's audio from the (padded) speech start, the answer started speculatively at
+        # the last pause, then confirmed (a pause within the speech started one that was discarded)
         conv = rig.conv(runner)
-        assert conv.respond_ids == [rid] and conv.handles[0].id == rid
+        assert conv.respond_ids[-1] == rid and conv.handles[-1].id == rid
+        assert all(h.discarded for h in conv.handles[:-1]) and not conv.handles[-1].discarded
         kinds = [c[0] for c in conv.calls]
-        assert kinds == ["push"] * (len(kinds) - 2) + ["end_turn", "respond"] and len(kinds) > 20
-        assert conv.calls[-1] == ("respond", rid)
+        assert kinds[-2:] == ["speculate", "confirm"] and conv.calls[-1] == ("confirm", rid) and len(kinds) > 20
+        assert set(kinds[:-2]) <= {"push", "speculate", "discard"} and "end_turn" not in kinds
+        assert kinds.count("speculate") == kinds.count("discard") + 1
+        assert rig.metric("duplex_speculative_responses_total", outcome="discarded") == kinds.count("discard")
         dec = InputDecoder(WireFormat.PCM16)
         decoded = np.concatenate([dec.decode(base64.b64decode(m["audio"])) for m in msgs])
         pushed = conv.user_audio(0)
@@ -92,6 +96,7 @@ def test_turn_taking_user_speech_to_a_paced_answer_of_the_engines_audio(vad_batc
         await rig.ended(runner)
         assert runner.end_reason() is CloseReason.CLIENT_CLOSED and link.closes == [(1000, "")]
         assert rig.metric("duplex_responses_total", status="completed") == 1.0
+        assert rig.metric("duplex_speculative_responses_total", outcome="confirmed") == 1.0
         assert rig.metric("duplex_sessions_ended_total", transport="websocket", reason="client_closed") == 1.0
 
     run(main)

@@ -7,7 +7,7 @@ The session is driven only through the helpers below: if its input API changes, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -16,6 +16,8 @@ from fake_engine import answer_pcm
 from engine.codec.synth import speech_like
 from realtime.session import (
     CancelResponse,
+    ConfirmResponse,
+    DiscardResponse,
     EndTurn,
     InputCleared,
     InputCommitted,
@@ -190,25 +192,116 @@ def test_server_vad_turn_events_and_commands_in_order():
     assert stopped.audio_end_ms - started.audio_start_ms > 700
     assert started.item_id == stopped.item_id == committed.item_id and committed.previous_item_id is None
     assert created.epoch == 0 and created.item_id != committed.item_id
-    cmds = rec.of(PushAudio, EndTurn, StartResponse, CancelResponse)
+    cmds = rec.of(PushAudio, EndTurn, StartResponse, ConfirmResponse, DiscardResponse, CancelResponse)
     kinds = [type(c) for c in cmds]
-    assert kinds == [PushAudio] * (len(cmds) - 2) + [EndTurn, StartResponse] and len(cmds) > 20
-    assert cmds[-2] == EndTurn(committed.item_id) and cmds[-1] == StartResponse(created.response_id)
+    # the answer started at the pause (speculate_after_ms of silence), unseen, and was confirmed at the end
+    # of the turn; a pause within the speech started one that the speech coming back discarded
+    assert kinds[-2:] == [StartResponse, ConfirmResponse] and EndTurn not in kinds and len(cmds) > 20
+    assert cmds[-2] == StartResponse(created.response_id, speculative=True) and cmds[-1] == ConfirmResponse(created.response_id)
+    for k, c in enumerate(cmds[:-2]):
+        if isinstance(c, StartResponse):
+            assert c.speculative and cmds[k + 1] == DiscardResponse(c.response_id)
     # what went to the engine is the input from the (padded) speech start on, sample for sample,
-    # through the silence that ended the turn
+    # through speculate_after_ms of the silence that ended the turn, not the rest of it
     pushed = np.concatenate([c.pcm for c in cmds if isinstance(c, PushAudio)])
     first = int(started.audio_start_ms * RATE / 1000)
     np.testing.assert_array_equal(pushed, pcm[first : first + pushed.size])
-    assert first + pushed.size >= (stopped.audio_end_ms + VAD.silence_duration_ms) * RATE / 1000
+    assert first + pushed.size == int((stopped.audio_end_ms + VAD.speculate_after_ms) * RATE / 1000)
     # events come out when the audio that causes them arrives (20 ms pieces from T0)
+    t_spec = next(t for t, x in rec.out if x == cmds[-2])
     t_stop = next(t for t, x in rec.out if isinstance(x, SpeechStopped))
+    t_pause = T0 + (stopped.audio_end_ms + VAD.speculate_after_ms) / 1000
     t_endpoint = T0 + (stopped.audio_end_ms + VAD.silence_duration_ms) / 1000  # speech end + the silence that ends it
-    assert t_endpoint - 0.02 <= t_stop <= t_endpoint + 0.1
+    assert t_pause - 0.02 <= t_spec <= t_pause + 0.04 and t_endpoint - 0.02 <= t_stop <= t_endpoint + 0.1
     assert s.stats.responses == 1 and s.stats.input_frames == pcm.size // 320
+    assert s.stats.speculative_confirmed == 1 and s.stats.speculative_discarded == kinds.count(DiscardResponse)
     # more silence: nothing more happens
     rec.clear()
     feed_audio(s, silence(1000), now, rec)
     assert rec.out == []
+
+
+def test_without_speculation_the_turn_the_engine_hears_is_the_same():
+    spec, rec_spec = new_session(), Rec()
+    plain, rec_plain = new_session(vad=replace(VAD, speculative=False)), Rec()
+    user_turn(spec, T0, rec_spec)
+    user_turn(plain, T0, rec_plain)
+    cmds = rec_plain.of(PushAudio, EndTurn, StartResponse, ConfirmResponse, DiscardResponse)
+    assert [type(c) for c in cmds[-2:]] == [EndTurn, StartResponse] and not cmds[-1].speculative
+    assert all(isinstance(c, PushAudio) for c in cmds[:-2])
+    np.testing.assert_array_equal(np.concatenate([c.pcm for c in rec_plain.of(PushAudio)]),
+                                  np.concatenate([c.pcm for c in rec_spec.of(PushAudio)]))
+    assert rec_plain.types(SpeechStarted, SpeechStopped, InputCommitted, ResponseCreated) == \
+        rec_spec.types(SpeechStarted, SpeechStopped, InputCommitted, ResponseCreated)
+    assert (plain.stats.speculative_confirmed, plain.stats.speculative_discarded) == (0, 0)
+
+
+def test_a_pause_that_does_not_end_the_turn_discards_the_speculation_unseen():
+    s, rec = new_session(), Rec()
+    # this speech pauses longer than speculate_after_ms (160) and shorter than silence_duration_ms (300)
+    # about 460 ms in (the VAD's pause at 620 ms of input, the speech again by 760 ms)
+    pcm = np.concatenate([silence(300), speech(1.0, seed=3), silence(600)])
+    n_pause_end = 700 * RATE // 1000
+    now = feed_audio(s, pcm[:n_pause_end], T0, rec)
+    spec_id = rec.of(StartResponse)[-1].response_id
+    assert s.speculation is not None and s.speculation.id == spec_id
+    # the engine answers meanwhile: held, never sent
+    engine_chunk(s, spec_id, answer(400), now, rec)
+    assert poll(s, now, rec) is None and rec.of(ResponseAudio, ResponseCreated) == []
+    now = feed_audio(s, pcm[n_pause_end:], now, rec)
+    cmds = rec.of(PushAudio, EndTurn, StartResponse, ConfirmResponse, DiscardResponse)
+    k = cmds.index(DiscardResponse(spec_id))
+    assert isinstance(cmds[k + 1], PushAudio)  # the held silence joins the turn after the discard
+    assert [type(c) for c in cmds[-2:]] == [StartResponse, ConfirmResponse] and cmds[-2].response_id != spec_id
+    # the engine heard one turn, the input from the speech start to the second pause, sample for sample
+    started = rec.of(SpeechStarted)
+    assert len(started) == 1 and len(rec.of(SpeechStopped)) == 1
+    pushed = np.concatenate([c.pcm for c in rec.of(PushAudio)])
+    first = int(started[0].audio_start_ms * RATE / 1000)
+    np.testing.assert_array_equal(pushed, pcm[first : first + pushed.size])
+    # the client saw one response: the confirmed one; the discarded one's late output is dropped
+    created = rec.of(ResponseCreated)
+    assert [c.response_id for c in created] == [cmds[-2].response_id]
+    engine_chunk(s, spec_id, answer(400), now, rec)
+    engine_chunk(s, created[0].response_id, answer(400), now, rec, is_last=True)
+    run_clock(s, now, 1.0, rec)
+    assert {f.response_id for f in rec.of(ResponseAudio)} == {created[0].response_id}
+    done = rec.of(ResponseDone)
+    assert len(done) == 1 and done[0].status is ResponseStatus.COMPLETED and done[0].audio_ms == 400
+    assert (s.stats.speculative_confirmed, s.stats.speculative_discarded, s.stats.responses) == (1, 1, 1)
+
+
+def test_a_confirmed_speculation_sends_its_held_audio_at_once_then_paced():
+    s, rec = new_session(), Rec()
+    pcm = np.concatenate([silence(300), speech(1.0, seed=3), silence(600)])
+    n = 1600 * RATE // 1000  # past its last pause (at 1520 ms of input), before the end of the turn (1680 ms)
+    t = feed_audio(s, pcm[:n], T0, rec)
+    spec_id = s.speculation.id
+    engine_chunk(s, spec_id, answer(1000), t, rec, is_last=True)  # the whole answer before the turn is confirmed
+    now = feed_audio(s, pcm[n:], t, rec)
+    t_stop = next(t for t, x in rec.out if isinstance(x, SpeechStopped))
+    created = rec.of(ResponseCreated)
+    assert [c.response_id for c in created] == [spec_id] and rec.of(ResponseAudio) == []
+    poll(s, t_stop, rec)  # the lead goes out at once
+    frames = rec.of(ResponseAudio)
+    assert frames and frames[0].after_confirm_ms == 0.0 and frames[0].ttfa_ms is not None
+    assert len(frames) * FRAME_MS <= LEAD_MS + FRAME_MS
+    run_clock(s, now, 1.5, rec)
+    np.testing.assert_array_equal(pcm_of(rec.of(ResponseAudio)), answer(1000))
+    done = rec.of(ResponseDone)
+    assert done[-1].status is ResponseStatus.COMPLETED and done[-1].after_confirm_ms == 0.0
+
+
+def test_client_input_during_a_speculation_discards_it():
+    s, rec = new_session(), Rec()
+    pcm = np.concatenate([silence(300), speech(1.0, seed=3), silence(200)])
+    now = feed_audio(s, pcm, T0, rec)
+    spec = rec.of(StartResponse)
+    assert len(spec) == 1 and spec[0].speculative
+    commit(s, now, rec)  # the client ends the turn itself
+    cmds = rec.of(DiscardResponse, EndTurn)
+    assert cmds == [DiscardResponse(spec[0].response_id), EndTurn(rec.of(InputCommitted)[0].item_id)]
+    assert s.speculation is None and rec.of(ResponseCreated) == []
 
 
 def test_server_vad_ignores_silence_and_a_commit_without_speech_is_an_error():
@@ -362,8 +455,9 @@ def test_barge_in_cancels_at_the_pacer_cursor_clears_and_starts_a_new_epoch():
     new = rec.of(ResponseCreated)[0]
     assert new.epoch == 1 and new.response_id != rid
     # the engine commands: cancel the old answer before pushing the new turn, then answer it
-    cmds = [type(c).__name__ for c in rec.of(CancelResponse, PushAudio, EndTurn, StartResponse)]
-    assert cmds[0] == "CancelResponse" and cmds[-2:] == ["EndTurn", "StartResponse"] and set(cmds[1:-2]) == {"PushAudio"}
+    cmds = [type(c).__name__ for c in rec.of(CancelResponse, PushAudio, EndTurn, StartResponse, ConfirmResponse, DiscardResponse)]
+    assert cmds[0] == "CancelResponse" and cmds[-2:] == ["StartResponse", "ConfirmResponse"] and cmds[1] == "PushAudio"
+    assert set(cmds[1:-2]) <= {"PushAudio", "StartResponse", "DiscardResponse"}  # (pauses within the speech)
     # late output of the cancelled answer is dropped
     rec.clear()
     engine_chunk(s, rid, answer(500), now, rec, is_last=True)

@@ -48,7 +48,14 @@ def test_silero_detects_espeak_speech_not_silence(speech):
     assert probs[:10].max() < 0.3  # leading silence
     assert probs[20:-30].mean() > 0.5 and probs.max() > 0.9
     events = ServerVad(VadParams()).feed(list(probs))
-    assert [e.kind for e in events] == ["started", "stopped"]
+    kinds = [e.kind for e in events]
+    assert [k for k in kinds if k in ("started", "stopped")] == ["started", "stopped"]
+    # pauses within the speech (speculate_after_ms) come back as speech; the last one ends the turn
+    assert kinds[1:-1] == ["paused", "resumed"] * ((len(kinds) - 3) // 2) + ["paused"]
+    pause, stop = events[-2:]
+    assert pause.at_ms - stop.audio_ms == pytest.approx(VadParams().speculate_after_ms, abs=32)
+    assert stop.at_ms - stop.audio_ms == pytest.approx(VadParams().silence_duration_ms, abs=32)
+    assert [e.kind for e in ServerVad(VadParams(speculate_after_ms=500)).feed(list(probs))] == ["started", "stopped"]
 
 
 def test_pacer_absolute_schedule_with_lead_and_reanchor():
