@@ -252,6 +252,49 @@ def test_barge_in_truncates_history_to_played_ms(gateway, speech):
     assert history[1].audio_frames == played_ms // 20  # the engine's next prompt holds exactly the played frames
 
 
+def _metric(gw, name: str, **labels) -> float:
+    with urllib.request.urlopen(url(gw, f"/metrics?token={TOKEN}", "http")) as r:
+        text = r.read().decode()
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(want + " "))
+
+
+def test_speculative_answers_reach_the_client_only_once_confirmed(gateway, speech):
+    """A pause within the user's speech starts an answer that the speech coming back discards: the
+    client never sees it; the answer to the whole turn, started at its last pause, is the one it gets."""
+    discarded0 = _metric(gateway, "duplex_speculative_responses_total", outcome="discarded")
+    confirmed0 = _metric(gateway, "duplex_speculative_responses_total", outcome="confirmed")
+
+    async def main():
+        c = await connect(gateway)
+        sid = c.events[0]["session"]["id"]
+        pcm = np.concatenate([silence(200, 24_000), speech("hello there", 24_000), silence(60, 24_000),  # (espeak's own silence, and this: < 400 ms)
+                              speech("how are you doing today", 24_000), silence(800, 24_000)])
+        await c.stream(pcm)
+        done = await c.wait_for("response.done")
+        latency = await c.wait_for("duplex.latency")
+        await asyncio.sleep(0.3)  # anything of the discarded answer would have arrived by now
+        history = list(gateway.conversation(sid).history)
+        await c.close()
+        return c, done, latency, history
+
+    c, done, latency, history = run(main())
+    rid = done["response"]["id"]
+    assert done["response"]["status"] == "completed", [e["type"] for e in c.events if "delta" not in e["type"]]
+    assert [e["response"]["id"] for e in c.events if e["type"] == "response.created"] == [rid]
+    assert c.types().count("input_audio_buffer.speech_started") == 1 and c.types().count("input_audio_buffer.committed") == 1
+    assert {e["response_id"] for e in c.events if e["type"] == "response.output_audio.delta"} == {rid}
+    assert not any(e["type"] == "error" for e in c.events)
+    assert _metric(gateway, "duplex_speculative_responses_total", outcome="discarded") >= discarded0 + 1
+    assert _metric(gateway, "duplex_speculative_responses_total", outcome="confirmed") == confirmed0 + 1
+    # the engine heard one user turn (through the pause) and one answer
+    assert [t.role for t in history] == [Role.USER, Role.ASSISTANT]
+    assert history[0].audio_frames * 20 >= 1500  # both phrases and the pause between them
+    # its first audio went out as the end of the turn was confirmed: ready by then
+    assert latency["response_id"] == rid and latency["after_confirm_ms"] is not None and latency["after_confirm_ms"] < 200
+    assert done["response"]["duplex"]["after_confirm_ms"] == latency["after_confirm_ms"]
+
+
 def test_two_sessions_at_once(gateway, speech):
     async def one(text):
         c = await connect(gateway)
