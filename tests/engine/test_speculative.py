@@ -2,7 +2,7 @@
 an open user turn, then `confirm()` gives exactly the answer `end_user_turn()` + `respond()` gives;
 `discard()` leaves the conversation as if the answer had never started, the user turn going on
 (the next answer, the history and the next prompt equal those of a conversation that never
-speculated), also when context management dropped exchanges for it."""
+speculated), also when context management dropped exchanges for it; with and without guidance (CFG pairs)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.vllm
 
 MAX_MODEL_LEN = 512
 GREEDY = ConversationOptions(temperature=0.0, max_response_ms=400.0)  # 20 frames
+GUIDED = ConversationOptions(temperature=0.0, max_response_ms=400.0, cfg_scale=2.0)  # a CFG pair per answer
 _ids = itertools.count()
 
 
@@ -96,10 +97,11 @@ def same_conversation(a, b) -> None:
     np.testing.assert_array_equal(a.next_prompt(), b.next_prompt())
 
 
-def test_a_confirmed_speculation_is_the_plain_answer(engine, loop_thread) -> None:
+@pytest.mark.parametrize("options", [GREEDY, GUIDED], ids=["greedy", "cfg"])
+def test_a_confirmed_speculation_is_the_plain_answer(engine, loop_thread, options) -> None:
     async def main():
-        plain = engine.open_conversation("spec_plain", GREEDY)
-        spec = engine.open_conversation("spec_confirmed", GREEDY)
+        plain = engine.open_conversation(f"spec_plain_{options.cfg_scale}", options)
+        spec = engine.open_conversation(f"spec_confirmed_{options.cfg_scale}", options)
         try:
             for t, seconds in enumerate((1.0, 0.7)):
                 pcm = speech(seconds, seed=10 + t)
@@ -121,10 +123,11 @@ def test_a_confirmed_speculation_is_the_plain_answer(engine, loop_thread) -> Non
     loop_thread.run(main())
 
 
-def test_a_discarded_speculation_never_happened(engine, loop_thread) -> None:
+@pytest.mark.parametrize("options", [GREEDY, GUIDED], ids=["greedy", "cfg"])
+def test_a_discarded_speculation_never_happened(engine, loop_thread, options) -> None:
     async def main():
-        plain = engine.open_conversation("disc_plain", GREEDY)
-        spec = engine.open_conversation("disc_spec", GREEDY)
+        plain = engine.open_conversation(f"disc_plain_{options.cfg_scale}", options)
+        spec = engine.open_conversation(f"disc_spec_{options.cfg_scale}", options)
         try:
             first = speech(0.8, seed=20)
             same_answer(await confirmed_turn(spec, first), await plain_turn(plain, first))
