@@ -276,3 +276,29 @@ def test_a_manual_commit_holds_every_sample_the_client_sent():
     pushed = sum(x.pcm.size for x in c.commands if isinstance(x, PushAudio))
     assert pushed == 16 * 990
     assert c.session.stats.input_frames == 50  # client frames only; the tail is not one
+
+
+def test_turn_detection_speculation_settings():
+    c = Client()
+    c.send({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "silence_duration_ms": 600, "speculative": False, "speculate_after_ms": 96}}}}})
+    assert c.errors() == []
+    assert (c.session.vad_params.speculative, c.session.vad_params.speculate_after_ms) == (False, 96)
+    td = c.sent[-1]["session"]["audio"]["input"]["turn_detection"]
+    assert (td["speculative"], td["speculate_after_ms"], td["silence_duration_ms"]) == (False, 96, 600)
+    c.send({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "semantic_vad", "eagerness": "high", "speculative": True, "speculate_after_ms": 128}}}}})
+    assert c.errors() == [] and (c.session.vad_params.speculative, c.session.vad_params.speculate_after_ms) == (True, 128)
+    c.take()
+    for bad, param in (({"speculative": "yes"}, "speculative"), ({"speculate_after_ms": -1}, "speculate_after_ms"),
+                       ({"speculate_after_ms": 1.5}, "speculate_after_ms")):
+        c.send({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "server_vad", **bad}}}}})
+        (err,) = c.errors()
+        assert err["param"] == f"session.audio.input.turn_detection.{param}", err
+        c.take()
+    assert c.session.vad_params.speculate_after_ms == 128  # a refused setting changes nothing
+    # a standard client may set them; it is not shown our fields
+    plain = Client(extensions=False)
+    plain.send({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "server_vad", "speculative": False}}}}})
+    assert plain.errors() == [] and plain.session.vad_params.speculative is False
+    assert "speculative" not in plain.sent[-1]["session"]["audio"]["input"]["turn_detection"]
