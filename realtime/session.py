@@ -709,10 +709,10 @@ class Session:
         r = None if item_id in self._deleted_items else self._assistant_items.get(item_id)
         if r is None:
             raise SessionError("item_not_found", f"no assistant item {item_id!r} in this conversation", "item_id")
-        self.discard_speculation()  # it answered the history before this edit
         sent_ms = 1000.0 * r.sent_samples / RATE_HZ
         if audio_end_ms < 0 or audio_end_ms > sent_ms + 1e-6:
             raise SessionError("audio_end_ms_out_of_range", f"audio_end_ms {audio_end_ms} is beyond the item's audio ({sent_ms:.0f} ms sent)", "audio_end_ms")
+        self.discard_speculation()  # it answered the history before this edit
         if r is self.response:
             r.acked_ms = float(audio_end_ms)
         if not r.status.finished:
@@ -732,10 +732,10 @@ class Session:
         answer = self._assistant_items[items[-1]]  # an exchange's items: its user items, then the answer
         if not answer.status.finished:
             raise SessionError("item_not_deletable", f"response {rid} is in progress: cancel it first", "item_id")
-        self.discard_speculation()  # it answered the history before this edit
         if item_id != answer.item_id and len(items) > 2:
             raise SessionError("item_not_deletable", f"item {item_id!r} is one of {len(items) - 1} user items the model heard as "
                                                      "one turn: that turn cannot lose one of them", "item_id")
+        self.discard_speculation()  # it answered the history before this edit
         items.remove(item_id)
         self._deleted_items.add(item_id)
         self._commands.append(DeleteTurn(rid, Role.ASSISTANT if item_id == answer.item_id else Role.USER))

@@ -581,3 +581,21 @@ def test_late_chunks_are_counted():
     cancel_response(s, now + 0.5, rec)
     engine_chunk(s, rid, answer(80), now + 0.6, rec, deadline=now)  # after the cancel: dropped, not counted
     assert s.stats.chunks_late == 2
+
+
+def test_a_failed_speculation_is_discarded_and_the_turn_gets_a_plain_answer():
+    s, rec = new_session(), Rec()
+    pcm = np.concatenate([silence(300), speech(1.0, seed=3), silence(600)])
+    n = 1600 * RATE // 1000  # past the last pause, before the end of the turn
+    now = feed_audio(s, pcm[:n], T0, rec)
+    spec_id = s.speculation.id
+    assert s.receive_engine_error(spec_id, now) is False  # not the client's business
+    drain(s, rec, now)
+    assert rec.of(DiscardResponse)[-1] == DiscardResponse(spec_id) and s.speculation is None
+    assert rec.of(ResponseCreated, ResponseDone) == []
+    feed_audio(s, pcm[n:], now, rec)
+    cmds = rec.of(EndTurn, StartResponse, ConfirmResponse)
+    created = rec.of(ResponseCreated)
+    assert len(created) == 1 and created[0].response_id != spec_id
+    assert [type(c) for c in cmds[-2:]] == [EndTurn, StartResponse] and cmds[-1] == StartResponse(created[0].response_id)
+    assert s.stats.speculative_confirmed == 0 and s.stats.responses == 1
