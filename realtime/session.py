@@ -256,6 +256,7 @@ class SessionStats:
     responses: int = 0
     barge_ins: int = 0
     underruns_reported: int = 0
+    chunks: int = 0  # engine chunks received for the responses sent
     chunks_late: int = 0
     input_frames: int = 0  # audio frames (messages, RTP frames) the session consumed
     ttfa_ms: list = field(default_factory=list)
@@ -615,8 +616,10 @@ class Session:
         r = self._engine_response(response_id)
         if r is None:
             return
-        if deadline is not None and now > deadline and not r.speculative:
-            self.stats.chunks_late += 1
+        if not r.speculative:
+            self.stats.chunks += 1
+            if deadline is not None and now > deadline:
+                self.stats.chunks_late += 1
         if text_delta:
             r.transcript += text_delta
             if not r.speculative:
