@@ -17,7 +17,7 @@ The gateway (realtime/) imports this module and nothing else from engine/ at imp
     conv.truncate(response_id, played_ms)                # cut a finished answer (the client stopped playing it)
     conv.suspend(); conv.resume()                        # client away: its slot is free, its history kept
     await conv.close()
-    engine.health(), engine.load()
+    engine.health(), engine.load(), engine.report_delivery(chunks, late, underruns)   # admission control
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ class Gateway:
         full = self.admission.full() if health.ready else None
         if health.ready:
             load = self.engine.load()
-            body.update(capacity=load.capacity, limited_by=load.extra.get("limited_by"), at_capacity=full is not None)
+            body.update(capacity=load.capacity, limited_by=load.extra.get("limited_by"), at_capacity=full is not None,
+                        bounds=load.extra.get("bounds"), feedback_ceiling=load.extra.get("feedback_ceiling"))
             if full is not None:
                 body.update(detail="at_capacity", reason=full, retry_after_s=self.config.limits.retry_after_s)
         ok = health.ready and full is None

@@ -249,6 +249,8 @@ class Response:
     speculative: bool = False  # started at a pause, not yet confirmed: nothing of it is sent
     confirmed_at: float | None = None  # a speculative response: when the turn's end was confirmed
     dropped: tuple[str, ...] = ()  # context management's drops for a speculative response, told at confirmation
+    first_chunk_at: float | None = None  # when the engine's first chunk arrived
+    deadline_shift_s: float = 0.0  # a confirmed speculation plays from its confirmation, not its first chunk: the engine's deadlines move
 
 
 @dataclass
@@ -533,6 +535,8 @@ class Session:
         """The silence ended the turn: the speculative answer becomes the response, its held audio paced out from now."""
         self.speculation = None
         r.speculative, r.epoch, r.confirmed_at = False, self._epoch, now
+        if r.first_chunk_at is not None:  # the engine timed its deadlines from its first chunk; playback starts now
+            r.deadline_shift_s = max(0.0, now - r.first_chunk_at)
         self._commands.append(ConfirmResponse(r.id))
         self.stats.speculative_confirmed += 1
         self._begin(r)
@@ -616,9 +620,11 @@ class Session:
         r = self._engine_response(response_id)
         if r is None:
             return
+        if r.first_chunk_at is None:
+            r.first_chunk_at = now
         if not r.speculative:
             self.stats.chunks += 1
-            if deadline is not None and now > deadline:
+            if deadline is not None and now > deadline + r.deadline_shift_s:
                 self.stats.chunks_late += 1
         if text_delta:
             r.transcript += text_delta
