@@ -104,7 +104,8 @@ class Gateway:
             body.update(capacity=load.capacity, limited_by=load.extra.get("limited_by"), at_capacity=full is not None,
                         bounds=load.extra.get("bounds"), feedback_ceiling=load.extra.get("feedback_ceiling"))
             if full is not None:
-                body.update(detail="at_capacity", reason=full, retry_after_s=self.config.limits.retry_after_s)
+                body.update(detail="stopping" if self.admission.closing else "at_capacity", reason=full,
+                            retry_after_s=self.config.limits.retry_after_s)
         ok = health.ready and full is None
         return HttpReply(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, json.dumps(body), "application/json")
 
