@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from engine import guidance, vocab
-from engine.capacity import CapacityModel
+from engine.capacity import CapacityModel, LatenessFeedback
+from engine.host_meter import HostMeter
 from engine.delay import MAX_DELAY, FrameAssembler
 from engine.dialogue import (
     SPEAKER_PROMPT_FRAMES,
@@ -652,6 +653,9 @@ class Engine:
         self._ready = False
         self._capacity = CapacityModel(max_conversations=min(config.max_conversations, config.max_num_seqs),
                                        margin=config.capacity_margin)
+        self._feedback = LatenessFeedback()
+        self._host_task: asyncio.Task | None = None
+        self._limited_by = ""
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.model_dir: Path | None = None
 
@@ -712,12 +716,50 @@ class Engine:
                 seed=cfg.seed,
             )
         )
-        log.info("engine core torch threads: %d (engine.cpu_threads); codec and tokenizer on %s",
-                 await self.llm.engine_threads(), dac.device.type)
+        threads = await self.llm.engine_threads()
+        log.info("engine core torch threads: %d (engine.cpu_threads); codec and tokenizer on %s", threads, dac.device.type)
+        # the cpu resource: the machine's cores, shared by this process, the engine core and everything else
+        self._capacity.cpu_cores = float(len(os.sched_getaffinity(0)))
+        self._capacity.codec_on_host = dac.device.type == "cpu"
         if cfg.warmup:
             await loop.run_in_executor(self._tok_pool, self._warm_audio_path, dac)
             await self._warmup()
+        self._meter = HostMeter()
+        self._host_task = asyncio.ensure_future(self._watch_host())
         self._ready = True
+
+    async def _watch_host(self, every_s: float = 1.0) -> None:
+        """Once a second: the host's CPU into the capacity model, late chunks into the feedback."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                self._observe_host(time.monotonic())
+            except Exception:  # a measurement failure must not stop admission control
+                log.exception("capacity: host measurement failed")
+
+    def _observe_host(self, now: float) -> None:
+        sample = self._meter.sample()
+        if sample is not None:
+            self._capacity.observe_host(now, sample.interval_s, self._active(), sample.process_cpu + sample.children_cpu,
+                                        sample.other_cpu)
+        self._feedback.tick(now, self._capacity.capacity())
+        self._log_capacity()
+
+    def report_delivery(self, chunks: int, late_chunks: int, underruns: int) -> None:
+        """What the gateway's sessions got since the last report: `chunks` audio chunks, `late_chunks`
+        of them after their playback deadline, `underruns` reported by clients (each counts as late)."""
+        self._feedback.record(self._active(), time.monotonic(), chunks, late_chunks + underruns,
+                              f"{underruns} underruns reported" if underruns else "")
+        self._log_capacity()
+
+    def _log_capacity(self) -> None:
+        for why in self._feedback.reasons:
+            log.warning("capacity: %s", why)
+        self._feedback.reasons.clear()
+        limited = self._capacity.limited_by(self._feedback.ceiling)
+        if limited != self._limited_by:
+            self._limited_by = limited
+            log.info("capacity %d, limited by %s (bounds %s)", self.capacity(), limited, self._capacity.bounds())
 
     def _warm_audio_path(self, dac) -> None:
         """First calls into torch kernels are slow: run the tokenizer and a codec decode once, and
@@ -727,6 +769,9 @@ class Engine:
         from engine.codec.synth import speech_like
 
         self._tokenizer.tokenize(speech_like(0.5, seed=0))
+        t0 = time.perf_counter()
+        self._tokenizer.tokenize(speech_like(2.0, seed=1))
+        self._capacity.tokenizer_rtf = (time.perf_counter() - t0) / 2.0
         codes = torch.zeros(1, vocab.NUM_CODEBOOKS, 16, dtype=torch.long)
         dac.decode(codes)
         t0 = time.perf_counter()
@@ -750,8 +795,9 @@ class Engine:
             await asyncio.gather(*(run(r) for r in reqs))
             if step_ms:
                 self._capacity.observe(batch, float(np.median(step_ms)))
-        log.info("engine warm: step ms by batch %s, capacity %d",
-                 {b: round(ms, 2) for b, ms in sorted(self._capacity.step_ms.items())}, self._capacity.capacity())
+        log.info("engine warm: step ms by batch %s, codec rtf %.4f, tokenizer rtf %.4f, capacity %d (bounds %s)",
+                 {b: round(ms, 2) for b, ms in sorted(self._capacity.step_ms.items())}, self._capacity.codec_rtf,
+                 self._capacity.tokenizer_rtf, self._capacity.capacity(), self._capacity.bounds())
 
     # --- conversations -----------------------------------------------------------------------
 
@@ -786,7 +832,7 @@ class Engine:
         if self.config.capacity_override is not None:
             return self.config.capacity_override
         # never refuse everyone: one conversation is served even on an overloaded box
-        return max(1, self._capacity.capacity())
+        return max(1, self._capacity.capacity(self._feedback.ceiling))
 
     def health(self) -> EngineHealth:
         return EngineHealth(ready=self._ready, detail="ready" if self._ready else "starting")
@@ -800,9 +846,16 @@ class Engine:
             step_ms=self._capacity.predicted_step_ms(max(responding, 1)),
             batch_size=float(responding),
             chunks_late=self._codec.stats.late_chunks if self._ready else 0,
+            extra={"limited_by": "capacity_override" if self.config.capacity_override is not None
+                   else self._capacity.limited_by(self._feedback.ceiling), "bounds": self._capacity.bounds(),
+                   "feedback_ceiling": self._feedback.ceiling,
+                   "cpu_per_session": round(self._capacity.cpu_cost_per_session(), 4),
+                   "other_cpu": round(self._capacity.other_cpu, 3), "fixed_cpu": round(self._capacity.fixed_cpu, 3)},
         )
 
     async def shutdown(self) -> None:
+        if self._host_task is not None:
+            self._host_task.cancel()
         for conv in list(self._conversations.values()):
             await conv.close()
         self._ready = False

@@ -17,7 +17,7 @@ The gateway (realtime/) imports this module and nothing else from engine/ at imp
     conv.truncate(response_id, played_ms)                # cut a finished answer (the client stopped playing it)
     conv.suspend(); conv.resume()                        # client away: its slot is free, its history kept
     await conv.close()
-    engine.health(), engine.load()
+    engine.health(), engine.load(), engine.report_delivery(chunks, late, underruns)   # admission control
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ class EngineError(Exception):
 
 
 class AtCapacity(EngineError):
-    """open_conversation beyond the measured capacity: refuse the session, keep the others."""
+    """open_conversation beyond the measured capacity: refuse the session, keep the others. The gateway
+    tells the caller when to try again (`retry_after_s`, from its config)."""
 
     code = "server_at_capacity"
+    retry_after_s: float = 5.0
 
 
 class ConversationClosed(EngineError):
@@ -219,5 +221,10 @@ class EngineLike(Protocol):
     def health(self) -> EngineHealth: ...
 
     def load(self) -> EngineLoad: ...
+
+    def report_delivery(self, chunks: int, late_chunks: int, underruns: int) -> None:
+        """What the gateway's sessions got since its last report: `chunks` audio chunks from the engine,
+        `late_chunks` of them after their playback deadline, `underruns` clients reported. Admission
+        control lowers its capacity when too many were late."""
 
     async def shutdown(self) -> None: ...

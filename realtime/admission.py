@@ -37,7 +37,7 @@ class Admission:
         self.metrics = metrics
         self.sessions: dict[str, SessionRunner] = {}
         self.closing = False  # the server is stopping: nobody is admitted, lost links are not kept
-        self.deps = RunnerDeps(config.limits, metrics, vad, lambda: self.closing, self._gateway_full)
+        self.deps = RunnerDeps(config.limits, metrics, vad, lambda: self.closing, self._gateway_full, engine.report_delivery)
         self._background: set[asyncio.Task] = set()
 
     def new_session(self, vad: VadParams | None | object = SERVER_VAD, output_frame_ms: int | None = None,
@@ -122,11 +122,22 @@ class Admission:
             return f"server at capacity: {holding} sessions active (limit {cap})"
         return None
 
+    def full(self) -> str | None:
+        """Why a new session would be refused now (the gateway's cap, the engine's capacity, a stop), or None:
+        /healthz's `at_capacity`, so a load balancer sends callers elsewhere before they are refused."""
+        if (why := self._gateway_full()) is not None:
+            return why
+        load = self.engine.load()
+        if load.conversations >= load.capacity:
+            return f"server at capacity: {load.conversations} conversations active, {load.capacity} can respond in real time"
+        return None
+
     def _open_conversation(self, session_id: str, proto: WireProtocol):
         try:
             if (why := self._gateway_full()) is not None:
                 raise AtCapacity(why)
             return self.engine.open_conversation(session_id, proto.engine_options())
-        except AtCapacity:
+        except AtCapacity as e:
             self.metrics.sessions_refused.labels("capacity").inc()
+            e.retry_after_s = self.config.limits.retry_after_s
             raise

@@ -34,6 +34,7 @@ class LimitsSection:
     max_message_bytes: int = 1 << 21  # one WebSocket message; larger ones close the socket with 1009
     max_append_bytes: int = 1 << 20  # decoded audio in one input_audio_buffer.append
     max_sessions: int | None = None  # gateway cap; None: the engine's admission control decides
+    retry_after_s: float = 5.0  # what a caller refused at capacity is told: try again after this long (and /healthz)
     inbound_queue: int = 256  # client messages + engine chunks waiting for the session task
     outbound_queue: int = 512  # messages waiting for the socket; full => slow client, disconnected
     idle_timeout_s: float = 300.0  # no client message (and no response running) for this long => closed

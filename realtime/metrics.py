@@ -38,6 +38,12 @@ class GatewayMetrics:
         self.engine_batch = Gauge("duplex_engine_batch_size", "Recent mean engine batch size", registry=r)
         self.engine_capacity = Gauge("duplex_engine_capacity", "Conversations the engine can serve in real time", registry=r)
         self.engine_conversations = Gauge("duplex_engine_conversations", "Engine conversations open", registry=r)
+        self.capacity = Gauge("duplex_capacity", "Conversations admitted at most now: the smallest bound of the measured pipeline "
+                              "and the lateness feedback (engine/capacity.py)", registry=r)
+        self.capacity_limited_by = Gauge("duplex_capacity_limited_by", "1 for the resource that sets duplex_capacity now",
+                                         ["resource"], registry=r)
+        self.capacity_bound = Gauge("duplex_capacity_bound", "Each resource's bound on the conversations served on time",
+                                    ["resource"], registry=r)
 
     def add_stats_delta(self, new: SessionStats, old: SessionStats) -> None:
         """Count what one session did since its last snapshot."""
@@ -55,4 +61,12 @@ class GatewayMetrics:
             self.engine_batch.set(load.batch_size)
             self.engine_capacity.set(load.capacity)
             self.engine_conversations.set(load.conversations)
+            self.capacity.set(load.capacity)
+            limited = load.extra.get("limited_by")
+            bounds = dict(load.extra.get("bounds") or {})
+            if load.extra.get("feedback_ceiling") is not None:
+                bounds["feedback"] = load.extra["feedback_ceiling"]
+            for resource, bound in bounds.items():
+                self.capacity_bound.labels(resource).set(bound)
+                self.capacity_limited_by.labels(resource).set(1.0 if resource == limited else 0.0)
         return generate_latest(self.registry)

@@ -118,6 +118,7 @@ class RunnerDeps:
     vad: VadBatcher | None  # None: each session runs its own VAD windows at once
     server_closing: Callable[[], bool]  # True once the server stops: a lost link is then not kept for a resume
     gateway_full: Callable[[], str | None] = lambda: None  # why no session may take a slot now (the gateway's cap), or None
+    report_delivery: Callable[[int, int, int], None] = lambda chunks, late, underruns: None  # to admission control
 
 
 class SessionInbox:
@@ -624,11 +625,14 @@ class SessionRunner:
         """Count the session's new figures in the gateway's metrics. Input frames change with every
         packet, so alone they are counted at most every `_OBSERVE_FRAMES_S` (and at the end)."""
         st, seen = self.session.stats, self._stats
-        if (st.barge_ins, st.underruns_reported, st.chunks_late, len(st.ttfa_ms)) == (
-                seen.barge_ins, seen.underruns_reported, seen.chunks_late, len(seen.ttfa_ms)):
+        if (st.barge_ins, st.underruns_reported, st.chunks, len(st.ttfa_ms)) == (
+                seen.barge_ins, seen.underruns_reported, seen.chunks, len(seen.ttfa_ms)):
             if st.input_frames == seen.input_frames or (not force and now - self._observed_at < _OBSERVE_FRAMES_S):
                 return
         self.deps.metrics.add_stats_delta(st, seen)
+        if st.chunks > seen.chunks or st.underruns_reported > seen.underruns_reported:
+            self.deps.report_delivery(st.chunks - seen.chunks, st.chunks_late - seen.chunks_late,
+                                      st.underruns_reported - seen.underruns_reported)
         self._stats = dataclasses.replace(st, ttfa_ms=list(st.ttfa_ms))
         self._observed_at = now
 

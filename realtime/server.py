@@ -93,13 +93,27 @@ class Gateway:
             await self._server.wait_closed()
 
     # ---- HTTP ----
+    def _health(self) -> HttpReply:
+        """200 when a new session would be admitted; 503 while starting, stopping or at capacity (a load
+        balancer's health check then sends new callers elsewhere; running sessions are unaffected)."""
+        health = self.engine.health()
+        body = {"ready": health.ready, "detail": health.detail, "sessions": len(self.sessions)}
+        full = self.admission.full() if health.ready else None
+        if health.ready:
+            load = self.engine.load()
+            body.update(capacity=load.capacity, limited_by=load.extra.get("limited_by"), at_capacity=full is not None,
+                        bounds=load.extra.get("bounds"), feedback_ceiling=load.extra.get("feedback_ceiling"))
+            if full is not None:
+                body.update(detail="stopping" if self.admission.closing else "at_capacity", reason=full,
+                            retry_after_s=self.config.limits.retry_after_s)
+        ok = health.ready and full is None
+        return HttpReply(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, json.dumps(body), "application/json")
+
     async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         parts = urlsplit(request.path)
         path, query = parts.path, parse_qs(parts.query)
         if path == "/healthz":
-            health = self.engine.health()
-            body = json.dumps({"ready": health.ready, "detail": health.detail, "sessions": len(self.sessions)})
-            return respond(connection, HttpReply(HTTPStatus.OK if health.ready else HTTPStatus.SERVICE_UNAVAILABLE, body, "application/json"))
+            return respond(connection, self._health())
         if request.method == "GET" and (path == "/" or path.startswith("/web/")):
             return respond(connection, static_file(path))
         ws_route, http_route = self.routes.ws.get(path), self.routes.http.get(path)

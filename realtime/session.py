@@ -249,6 +249,8 @@ class Response:
     speculative: bool = False  # started at a pause, not yet confirmed: nothing of it is sent
     confirmed_at: float | None = None  # a speculative response: when the turn's end was confirmed
     dropped: tuple[str, ...] = ()  # context management's drops for a speculative response, told at confirmation
+    first_chunk_at: float | None = None  # when the engine's first chunk arrived
+    deadline_shift_s: float = 0.0  # a confirmed speculation plays from its confirmation, not its first chunk: the engine's deadlines move
 
 
 @dataclass
@@ -256,6 +258,7 @@ class SessionStats:
     responses: int = 0
     barge_ins: int = 0
     underruns_reported: int = 0
+    chunks: int = 0  # engine chunks received for the responses sent
     chunks_late: int = 0
     input_frames: int = 0  # audio frames (messages, RTP frames) the session consumed
     ttfa_ms: list = field(default_factory=list)
@@ -532,6 +535,8 @@ class Session:
         """The silence ended the turn: the speculative answer becomes the response, its held audio paced out from now."""
         self.speculation = None
         r.speculative, r.epoch, r.confirmed_at = False, self._epoch, now
+        if r.first_chunk_at is not None:  # the engine timed its deadlines from its first chunk; playback starts now
+            r.deadline_shift_s = max(0.0, now - r.first_chunk_at)
         self._commands.append(ConfirmResponse(r.id))
         self.stats.speculative_confirmed += 1
         self._begin(r)
@@ -615,8 +620,12 @@ class Session:
         r = self._engine_response(response_id)
         if r is None:
             return
-        if deadline is not None and now > deadline and not r.speculative:
-            self.stats.chunks_late += 1
+        if r.first_chunk_at is None:
+            r.first_chunk_at = now
+        if not r.speculative:
+            self.stats.chunks += 1
+            if deadline is not None and now > deadline + r.deadline_shift_s:
+                self.stats.chunks_late += 1
         if text_delta:
             r.transcript += text_delta
             if not r.speculative:

@@ -94,6 +94,8 @@ class FixedEngine:
     def load(self):
         return EngineLoad(self.open, 0, 1000, 0.0, 0.0)
 
+    def report_delivery(self, chunks: int, late_chunks: int, underruns: int) -> None: ...
+
     async def shutdown(self) -> None: ...
 
 

@@ -7,15 +7,19 @@ For N = 1, 2, 4, ... conversations answering at once (each: a user turn of speec
   viability     share of audio chunks that reach the client before its playback needs them
                 (playback starts when the first chunk arrives, no jitter buffer)
   ttfa          end of the user's turn -> first audio chunk, p50 / p99
-  capacity      the largest batch whose measured engine step fits the 20 ms frame period (the
-                bound, from the step-time fit that admission control uses)
+  capacity      the capacity model's prediction (engine/capacity.py: the smallest bound of the
+                engine's step time and the machine's CPU, measured in this process), and the engine
+                step's bound alone
+
+The edge here is the engine service's alone (no gateway, no transports, no callers): the whole
+pipeline's edge against the same model is scripts/capacity_sweep.py (soaks over real sockets).
 
 then time to first audio with incremental prefill against prefill at the end of the turn, on a
 conversation with a long history: two engines (one of each) stay up and are measured alternately,
 median of --ttfa-repeats, so machine noise hits both alike. Beside them, the issue's goal for
 time to first audio: (first-chunk frames + delay steps + 1) x the engine's step at batch 1 + one
 first-chunk decode, i.e. no prefill wait left at the end of the turn. Last line:
-viable_sessions=N capacity_bound=M ratio=R ttfa_incremental_vs_full=X
+viable_sessions=N predicted_capacity=P ratio=N/P engine_bound=M ttfa_incremental_vs_full=X
 """
 
 from __future__ import annotations
@@ -129,6 +133,8 @@ async def main_async(args: argparse.Namespace) -> int:
                   f"p99 {np.percentile(ttfas, 99):6.0f} ms  engine step at this batch {step_ms:5.1f} ms",
                   flush=True)
         bound = capacity_bound(engine)
+        bounds = engine._capacity.bounds()
+        predicted = min(bounds.values())
         print(f"measured step ms by batch: { {b: round(t, 2) for b, t in sorted(engine._capacity.step_ms.items())} }")
         # the step the first row's conversations saw (the fit as it stood after that row)
         n0, _, ttfa0, step0 = rows[0]
@@ -149,8 +155,9 @@ async def main_async(args: argparse.Namespace) -> int:
     inc_ms, full_ms = 1000 * float(np.median(inc)), 1000 * float(np.median(full))
     print(f"ttfa after {args.history_turns} turns of {args.history_user_s:g} s (median of {args.ttfa_repeats}): "
           f"incremental prefill {inc_ms:.0f} ms, prefill at end of turn {full_ms:.0f} ms")
-    print(f"viable_sessions={viable} capacity_bound={bound} ratio={viable / bound if bound else 0:.2f} "
-          f"ttfa_incremental_vs_full={inc_ms / full_ms:.2f}")
+    print(f"capacity model bounds {bounds} (limited by {min(bounds, key=bounds.get)})")
+    print(f"viable_sessions={viable} predicted_capacity={predicted} ratio={viable / predicted if predicted else 0:.2f} "
+          f"engine_bound={bound} ttfa_incremental_vs_full={inc_ms / full_ms:.2f}")
     return 0
 
 

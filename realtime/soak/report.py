@@ -76,6 +76,18 @@ def accounting(records: list[CallerRecord], before: dict, after: dict) -> dict:
             "frames_unaccounted": int(sent - consumed - dropped - rejected - refused)}
 
 
+def predicted_capacity(timeline: list[dict], ramp_s: float) -> dict | None:
+    """What the server's capacity model predicted while the callers talked (its bounds from /healthz,
+    whatever cap the run forced): the median over the run after the ramp, and the resource that set it."""
+    rows = [r for r in timeline if r.get("t", 0) > ramp_s + 5 and isinstance(r.get("bounds"), dict) and r["bounds"]]
+    if not rows:
+        return None
+    predicted = sorted(min(r["bounds"].values()) for r in rows)
+    limits = Counter(min(r["bounds"], key=r["bounds"].get) for r in rows)
+    return {"predicted_p50": predicted[len(predicted) // 2], "predicted_min": predicted[0], "predicted_max": predicted[-1],
+            "limited_by": limits.most_common(1)[0][0], "samples": len(rows)}
+
+
 def memory_growth(timeline: list[dict], baseline_s: float = 300.0) -> dict | None:
     """The server's resident memory at `baseline_s` into the run (after the first 5 minutes: caches and
     pools have filled) and at its end, the gateway and the engine core apart (rss_tree - rss: vLLM's
@@ -118,6 +130,7 @@ def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, ti
                    "healthy_after": bool(final_health.get("ready")), "exit_code": server_exit,
                    "log": str(server_log) if server_log else None},
         "memory": memory_growth(timeline),
+        "capacity": predicted_capacity(timeline, cfg.ramp_s),
         "timeline": timeline,
         "late_chunks": [(round(t - t0, 3), round(late, 1)) for r in records for a in r.answers for t, late in a.playout.late_at],
         "callers": [{k: v for k, v in asdict(r).items() if k != "answers"} | {"answers": len(r.answers)} for r in records],
@@ -147,6 +160,9 @@ def summary_lines(report: dict) -> str:
         eng = "-" if m["engine_growth"] is None else f"{100 * m['engine_growth']:+.1f}%"
         lines.append(f"RSS at {b['t']:.0f} s -> {e['t']:.0f} s: gateway {b['gateway_mib']:.0f} -> {e['gateway_mib']:.0f} MiB "
                      f"({100 * m['gateway_growth']:+.1f}%), engine {b['engine_mib']:.0f} -> {e['engine_mib']:.0f} MiB ({eng})")
+    if (c := report.get("capacity")) is not None:
+        lines.append(f"the server's capacity model predicted {c['predicted_p50']} sessions (p50 over the run, "
+                     f"{c['predicted_min']}-{c['predicted_max']}; limited by {c['limited_by']})")
     a = report["accounting"]
     lines.append(f"frames sent {a['frames_sent']}, unaccounted {a['frames_unaccounted']}; server healthy after: {report['server']['healthy_after']}")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -111,5 +112,10 @@ def health(base: str) -> dict:
     try:
         with urllib.request.urlopen(base + "/healthz", timeout=5) as r:
             return json.loads(r.read())
+    except urllib.error.HTTPError as e:  # 503: starting, stopping or at capacity; the body says which
+        try:
+            return json.loads(e.read())
+        except ValueError:
+            return {"ready": False, "detail": f"HTTP {e.code}"}
     except Exception as e:  # the server may be down: that is the finding
         return {"ready": False, "detail": str(e)}

@@ -157,7 +157,7 @@ class TwilioBridge:
             runner = admission.open_session(NAME, WebSocketLink(ws), proto)
         except AtCapacity as e:
             log.warning("twilio stream %s (call %s): refused: %s", start.stream_sid, start.call_sid, e)
-            await ws.close(CLOSE_TRY_AGAIN, "server at capacity")
+            await ws.close(CLOSE_TRY_AGAIN, f"server at capacity: retry in {e.retry_after_s:g} s")
             return
         await admission.run(runner)
         log.info("twilio stream %s: ended (%d frames in, %d out, %d marks echoed, %d clears, digits %r, faults %s)",

@@ -283,7 +283,8 @@ class WebRtcCalls:
             runner = admission.open_session(NAME, link, proto, audio_out=TrackAudioOut(track))
         except AtCapacity as e:
             await pc.close()
-            return json_error(HTTPStatus.SERVICE_UNAVAILABLE, AtCapacity.code, str(e), {"Retry-After": "5"})
+            return json_error(HTTPStatus.SERVICE_UNAVAILABLE, AtCapacity.code, f"{e}; try again in {e.retry_after_s:g} s",
+                              {"Retry-After": str(max(1, round(e.retry_after_s)))})
         session_id = runner.id
         self.peers.add(pc)
         inputs: list[asyncio.Task] = []
@@ -350,15 +351,19 @@ class MicCounts:
         tail = self.decoded - self.queue_full - runner.session.stats.input_frames
         if tail > 0:
             drop.labels("webrtc", "in_queue_at_hangup").inc(tail)
-        received = 0
+        received = lost = 0
         for receiver in self.receivers:
             try:
                 stats = await receiver.getStats()
             except Exception:  # stats of a torn-down transport: nothing more to count
                 continue
-            received += sum(st.packetsReceived for st in stats.values() if getattr(st, "type", "") == "inbound-rtp")
+            inbound = [st for st in stats.values() if getattr(st, "type", "") == "inbound-rtp"]
+            received += sum(st.packetsReceived for st in inbound)
+            lost += sum(max(0, st.packetsLost) for st in inbound)
         if received > self.decoded:
             drop.labels("webrtc", "jitter_buffer_at_hangup").inc(received - self.decoded)
+        if lost:  # sequence gaps: sent, never received (a full UDP socket buffer on an overloaded host)
+            drop.labels("webrtc", "lost_in_network").inc(lost)
 
 
 async def _read_microphone(remote, runner: SessionRunner, metrics: GatewayMetrics, counts: MicCounts) -> None:

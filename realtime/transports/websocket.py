@@ -61,10 +61,12 @@ class WebSocketLink:
         return None if sent is None else sent.code
 
 
-def error_event(code: str, message: str) -> str:
-    """An `error` event sent before any session exists (capacity refusal)."""
-    return json.dumps({"type": "error", "event_id": "event_0", "error": {"type": "server_error", "code": code,
-                                                                        "message": message, "param": None, "event_id": None}})
+def error_event(code: str, message: str, retry_after_s: float | None = None) -> str:
+    """An `error` event sent before any session exists (capacity refusal: with `retry_after_s`)."""
+    error = {"type": "server_error", "code": code, "message": message, "param": None, "event_id": None}
+    if retry_after_s is not None:
+        error["retry_after_s"] = retry_after_s
+    return json.dumps({"type": "error", "event_id": "event_0", "error": error})
 
 
 def realtime_protocol(ctx: TransportContext, session: Session, resume_token: str | None = None,
@@ -90,8 +92,8 @@ def register(ctx: TransportContext) -> None:
         try:
             runner = admission.open_session(NAME, WebSocketLink(ws), proto, resume_token=token)
         except AtCapacity as e:
-            await ws.send(error_event(AtCapacity.code, str(e)))
-            await ws.close(CLOSE_TRY_AGAIN, "server at capacity")
+            await ws.send(error_event(AtCapacity.code, f"{e}; try again in {e.retry_after_s:g} s", e.retry_after_s))
+            await ws.close(CLOSE_TRY_AGAIN, f"server at capacity: retry in {e.retry_after_s:g} s")
             return
         await admission.run(runner)
 

@@ -477,6 +477,7 @@ class FakeEngine:
         self.opened: list[FakeConversation] = []  # every conversation ever opened, in order
         self.refused: list[str] = []  # session ids refused with AtCapacity
         self.shutdown_calls = 0
+        self.deliveries: list[tuple[int, int, int]] = []  # report_delivery() calls: (chunks, late chunks, underruns)
 
     def open_conversation(self, session_id: str, options: ConversationOptions | None = None) -> FakeConversation:
         if not self.ready:
@@ -506,6 +507,9 @@ class FakeEngine:
 
     def health(self) -> EngineHealth:
         return EngineHealth(ready=self.ready, detail="ready" if self.ready else "stopped")
+
+    def report_delivery(self, chunks: int, late_chunks: int, underruns: int) -> None:
+        self.deliveries.append((chunks, late_chunks, underruns))
 
     def load(self) -> EngineLoad:
         responding = sum(c.responding for c in self.conversations.values())

@@ -599,3 +599,22 @@ def test_a_failed_speculation_is_discarded_and_the_turn_gets_a_plain_answer():
     assert len(created) == 1 and created[0].response_id != spec_id
     assert [type(c) for c in cmds[-2:]] == [EndTurn, StartResponse] and cmds[-1] == StartResponse(created[0].response_id)
     assert s.stats.speculative_confirmed == 0 and s.stats.responses == 1
+
+
+def test_a_confirmed_speculation_is_late_against_its_playback_not_the_engines_first_chunk():
+    s, rec = new_session(), Rec()
+    pcm = np.concatenate([silence(300), speech(1.0, seed=3), silence(600)])
+    n = 1600 * RATE // 1000  # past the last pause (1520 ms of input), before the end of the turn (1680 ms)
+    t = feed_audio(s, pcm[:n], T0, rec)
+    spec_id = s.speculation.id
+    first_at = t
+    engine_chunk(s, spec_id, answer(80), first_at, rec, deadline=first_at + 0.06)
+    now = feed_audio(s, pcm[n:], t, rec)  # confirmed ~100 ms later: playback starts then
+    t_confirm = next(t for t, x in rec.out if isinstance(x, ConfirmResponse))
+    shift = t_confirm - first_at
+    assert shift > 0.05
+    # the engine's deadline for the next chunk, from its first chunk: 80 ms on
+    engine_chunk(s, spec_id, answer(80), first_at + 0.08 + shift - 0.01, rec, deadline=first_at + 0.08)
+    assert s.stats.chunks_late == 0  # past the engine's deadline, not past the playback's
+    engine_chunk(s, spec_id, answer(80), first_at + 0.16 + shift + 0.01, rec, deadline=first_at + 0.16)
+    assert s.stats.chunks_late == 1 and s.stats.chunks == 2  # (the chunk held while speculative is not counted)

@@ -40,8 +40,9 @@ class Server(ServerProcess):
     """`duplex serve` in a subprocess (the soak's), with what the page tests ask of it."""
 
     def health(self) -> dict:
-        with urllib.request.urlopen(self.base + "/healthz", timeout=5) as r:
-            return json.loads(r.read())
+        from realtime.soak.server_process import health
+
+        return health(self.base)  # (503 at capacity: max_sessions 1 here)
 
     def wait_sessions(self, n: int, timeout: float = 30) -> int:
         deadline = time.monotonic() + timeout
