@@ -161,6 +161,7 @@ class LatenessFeedback:
     window_s: float = 10.0
     max_late_share: float = 0.005  # the goal: 99.5 % of chunks on time
     min_late: int = 3
+    min_chunks: int = 50  # a share of fewer chunks says little (the first chunks of the first answers)
     floor_sessions: int = 1
     ceiling: int | None = None
     _window: deque = field(default_factory=deque, repr=False)  # (t, chunks, late)
@@ -177,7 +178,8 @@ class LatenessFeedback:
             _, c, m = w.popleft()
             self._total, self._missed = self._total - c, self._missed - m
         total, missed = self._total, self._missed
-        if missed < self.min_late or missed <= self.max_late_share * total or open_sessions <= self.floor_sessions:
+        if (missed < self.min_late or total < self.min_chunks or missed <= self.max_late_share * total
+                or open_sessions <= self.floor_sessions):
             return
         new = max(self.floor_sessions, math.floor(open_sessions * self.decrease))
         w.clear()

@@ -633,7 +633,7 @@ class SessionRunner:
                 return
         self.deps.metrics.add_stats_delta(st, seen)
         if st.chunks > seen.chunks or st.underruns_reported > seen.underruns_reported:
-            self.deps.report_delivery(st.chunks - seen.chunks, st.chunks_late - seen.chunks_late,
+            self.deps.report_delivery(st.chunks - seen.chunks, st.chunks_gap - seen.chunks_gap,
                                       st.underruns_reported - seen.underruns_reported)
         self._stats = dataclasses.replace(st, ttfa_ms=list(st.ttfa_ms))
         self._observed_at = now
