@@ -161,22 +161,29 @@ class LatenessFeedback:
     window_s: float = 10.0
     max_late_share: float = 0.005  # the goal: 99.5 % of chunks on time
     min_late: int = 3
+    min_chunks: int = 50  # a share of fewer chunks says little (the first chunks of the first answers)
     floor_sessions: int = 1
     ceiling: int | None = None
     _window: deque = field(default_factory=deque, repr=False)  # (t, chunks, late)
+    _total: int = 0  # chunks in the window
+    _missed: int = 0  # late ones
     _last_change: float = -math.inf
     reasons: list[str] = field(default_factory=list)  # every change, for the log (drained by the caller)
 
     def record(self, open_sessions: int, now: float, chunks: int, late: int, why: str = "") -> None:
         w = self._window
         w.append((now, chunks, late))
+        self._total, self._missed = self._total + chunks, self._missed + late
         while w and w[0][0] < now - self.window_s:
-            w.popleft()
-        total, missed = sum(x[1] for x in w), sum(x[2] for x in w)
-        if missed < self.min_late or missed <= self.max_late_share * total or open_sessions <= self.floor_sessions:
+            _, c, m = w.popleft()
+            self._total, self._missed = self._total - c, self._missed - m
+        total, missed = self._total, self._missed
+        if (missed < self.min_late or total < self.min_chunks or missed <= self.max_late_share * total
+                or open_sessions <= self.floor_sessions):
             return
         new = max(self.floor_sessions, math.floor(open_sessions * self.decrease))
         w.clear()
+        self._total = self._missed = 0
         if self.ceiling is not None and new >= self.ceiling:
             return
         self.ceiling, self._last_change = new, now

@@ -224,7 +224,7 @@ class EngineLike(Protocol):
 
     def report_delivery(self, chunks: int, late_chunks: int, underruns: int) -> None:
         """What the gateway's sessions got since its last report: `chunks` audio chunks from the engine,
-        `late_chunks` of them after their playback deadline, `underruns` clients reported. Admission
-        control lowers its capacity when too many were late."""
+        `late_chunks` of them so late that the client's lead ran out (a gap it hears), `underruns`
+        clients reported. Admission control lowers its capacity when too many were late."""
 
     async def shutdown(self) -> None: ...

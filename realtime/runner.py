@@ -622,16 +622,18 @@ class SessionRunner:
         self.closing = self.closing or Closing(reason, message[:120])
 
     def _observe(self, now: float, force: bool = False) -> None:
-        """Count the session's new figures in the gateway's metrics. Input frames change with every
-        packet, so alone they are counted at most every `_OBSERVE_FRAMES_S` (and at the end)."""
+        """Count the session's new figures in the gateway's metrics and admission control's feedback.
+        Input frames and chunks change with every packet, so alone they are counted at most every
+        `_OBSERVE_FRAMES_S` (and at the end)."""
         st, seen = self.session.stats, self._stats
-        if (st.barge_ins, st.underruns_reported, st.chunks, len(st.ttfa_ms)) == (
-                seen.barge_ins, seen.underruns_reported, seen.chunks, len(seen.ttfa_ms)):
-            if st.input_frames == seen.input_frames or (not force and now - self._observed_at < _OBSERVE_FRAMES_S):
+        if (st.barge_ins, st.underruns_reported, st.chunks_late, len(st.ttfa_ms)) == (
+                seen.barge_ins, seen.underruns_reported, seen.chunks_late, len(seen.ttfa_ms)):
+            if ((st.input_frames, st.chunks) == (seen.input_frames, seen.chunks)
+                    or (not force and now - self._observed_at < _OBSERVE_FRAMES_S)):
                 return
         self.deps.metrics.add_stats_delta(st, seen)
         if st.chunks > seen.chunks or st.underruns_reported > seen.underruns_reported:
-            self.deps.report_delivery(st.chunks - seen.chunks, st.chunks_late - seen.chunks_late,
+            self.deps.report_delivery(st.chunks - seen.chunks, st.chunks_gap - seen.chunks_gap,
                                       st.underruns_reported - seen.underruns_reported)
         self._stats = dataclasses.replace(st, ttfa_ms=list(st.ttfa_ms))
         self._observed_at = now

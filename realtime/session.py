@@ -259,7 +259,8 @@ class SessionStats:
     barge_ins: int = 0
     underruns_reported: int = 0
     chunks: int = 0  # engine chunks received for the responses sent
-    chunks_late: int = 0
+    chunks_late: int = 0  # received after their playback deadline
+    chunks_gap: int = 0  # so late that the lead the client holds ran out: a gap it hears (admission control's signal)
     input_frames: int = 0  # audio frames (messages, RTP frames) the session consumed
     ttfa_ms: list = field(default_factory=list)
     speculative_confirmed: int = 0
@@ -626,6 +627,8 @@ class Session:
             self.stats.chunks += 1
             if deadline is not None and now > deadline + r.deadline_shift_s:
                 self.stats.chunks_late += 1
+                if now > deadline + r.deadline_shift_s + self.limits.lead_ms / 1000.0:
+                    self.stats.chunks_gap += 1
         if text_delta:
             r.transcript += text_delta
             if not r.speculative:

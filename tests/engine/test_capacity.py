@@ -65,9 +65,11 @@ def test_a_gpu_codec_bounds_on_its_own_and_leaves_the_host() -> None:
 
 
 def test_lateness_cuts_at_once_and_recovers_slowly() -> None:
-    fb = LatenessFeedback(decrease=0.75, recover_s=30.0, window_s=10.0, max_late_share=0.005, min_late=3)
+    fb = LatenessFeedback(decrease=0.75, recover_s=30.0, window_s=10.0, max_late_share=0.005, min_late=3, min_chunks=50)
     m = CapacityModel(max_conversations=16)
     assert fb.ceiling is None and m.capacity(fb.ceiling) == 16
+    fb.record(12, 89.0, chunks=3, late=3)  # the first chunks of the first answers: too few to say anything
+    assert fb.ceiling is None
     # 12 sessions get 12 chunks a second: 2 late in 10 s is within the goal (99.5 % on time)
     for t in range(10):
         fb.record(12, 100.0 + t, chunks=60, late=1 if t in (3, 7) else 0)
@@ -79,7 +81,7 @@ def test_lateness_cuts_at_once_and_recovers_slowly() -> None:
     assert fb.ceiling == 9
     fb.record(9, 112.0, chunks=45, late=5, why="3 underruns reported")  # late again at the ceiling: cut again
     assert fb.ceiling == 6 and fb.reasons[-1].endswith("(3 underruns reported) with 9 sessions open: capacity ceiling 6")
-    fb.record(12, 113.0, chunks=1, late=10)  # a cut never raises the ceiling
+    fb.record(12, 113.0, chunks=60, late=10)  # a cut never raises the ceiling (12 open: 9 > 6)
     assert fb.ceiling == 6
     fb.tick(now=130.0, top=16)  # 18 s since the last change: not yet
     assert fb.ceiling == 6

@@ -618,3 +618,6 @@ def test_a_confirmed_speculation_is_late_against_its_playback_not_the_engines_fi
     assert s.stats.chunks_late == 0  # past the engine's deadline, not past the playback's
     engine_chunk(s, spec_id, answer(80), first_at + 0.16 + shift + 0.01, rec, deadline=first_at + 0.16)
     assert s.stats.chunks_late == 1 and s.stats.chunks == 2  # (the chunk held while speculative is not counted)
+    assert s.stats.chunks_gap == 0  # 10 ms late: the lead the client holds (150 ms) covers it
+    engine_chunk(s, spec_id, answer(80), first_at + 0.24 + shift + LEAD_MS / 1000 + 0.01, rec, deadline=first_at + 0.24)
+    assert s.stats.chunks_late == 2 and s.stats.chunks_gap == 1  # late beyond the lead: a gap the client hears
