@@ -143,16 +143,6 @@ class CapacityModel:
         return min(b, key=lambda k: (b[k], first.get(k, 2)))
 
 
-def counted_engine_cpu(measured: float, threads: tuple[float, ...], workers: int, compute_share: float) -> float:
-    """The engine core's CPU as the cpu bound counts it. `measured`: all its threads; `threads`: each
-    thread's, busiest first (the first is the scheduler loop that also computes). OpenMP's `workers`
-    other threads spin-wait between parallel regions, and that spinning yields to other work: they are
-    counted at `compute_share` (the share of time the engine computes) instead of their measured CPU."""
-    if workers <= 0:
-        return measured
-    return max(0.0, measured - sum(threads[1 : 1 + workers]) + workers * compute_share)
-
-
 @dataclass
 class LatenessFeedback:
     """The ceiling set by what admitted sessions get: missed deadlines lower it at once, time on time

@@ -19,7 +19,6 @@ class HostSample:
     children_cpu: float  # cores busy in its child processes (the engine core)
     other_cpu: float  # cores busy in every other process
     interval_s: float
-    children_threads: tuple[float, ...] = ()  # the children's threads' busy cores, busiest first
 
 
 def _machine_busy_s() -> float:
@@ -33,18 +32,6 @@ def _proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         parts = f.read().rsplit(")", 1)[1].split()
     return (int(parts[11]) + int(parts[12])) / _TICK  # utime, stime
-
-
-def _threads_cpu_s(pid: int) -> dict[tuple[int, int], float]:
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                parts = f.read().rsplit(")", 1)[1].split()
-            out[(pid, int(tid))] = (int(parts[11]) + int(parts[12])) / _TICK
-        except OSError:
-            continue
-    return out
 
 
 def _children(pid: int) -> list[int]:
@@ -67,16 +54,15 @@ class HostMeter:
         self._pid = os.getpid()
         self._last = self._read()
 
-    def _read(self) -> tuple | None:
+    def _read(self) -> tuple[float, float, float, float] | None:
         try:
-            kids, threads = 0.0, {}
+            kids = 0.0
             for c in _children(self._pid):
                 try:
                     kids += _proc_cpu_s(c)
-                    threads.update(_threads_cpu_s(c))
                 except OSError:
                     pass
-            return time.monotonic(), time.process_time(), kids, _machine_busy_s(), threads
+            return time.monotonic(), time.process_time(), kids, _machine_busy_s()
         except OSError:
             return None
 
@@ -90,5 +76,4 @@ class HostMeter:
         proc = (now[1] - last[1]) / dt
         kids = max(0.0, (now[2] - last[2]) / dt)  # a child that exited takes its time with it
         other = max(0.0, (now[3] - last[3]) / dt - proc - kids)
-        threads = sorted((max(0.0, (t - last[4].get(k, t)) / dt) for k, t in now[4].items()), reverse=True)
-        return HostSample(proc, kids, other, dt, tuple(threads))
+        return HostSample(proc, kids, other, dt)

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from engine import guidance, vocab
-from engine.capacity import CapacityModel, LatenessFeedback, counted_engine_cpu
+from engine.capacity import CapacityModel, LatenessFeedback
 from engine.host_meter import HostMeter
 from engine.delay import MAX_DELAY, FrameAssembler
 from engine.dialogue import (
@@ -656,7 +656,6 @@ class Engine:
         self._feedback = LatenessFeedback()
         self._host_task: asyncio.Task | None = None
         self._limited_by = ""
-        self._engine_threads = 1
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.model_dir: Path | None = None
 
@@ -718,7 +717,6 @@ class Engine:
             )
         )
         threads = await self.llm.engine_threads()
-        self._engine_threads = max(1, threads or len(os.sched_getaffinity(0)))
         log.info("engine core torch threads: %d (engine.cpu_threads); codec and tokenizer on %s", threads, dac.device.type)
         # the cpu resource: the machine's cores, shared by this process, the engine core and everything else
         self._capacity.cpu_cores = float(len(os.sched_getaffinity(0)))
@@ -742,13 +740,7 @@ class Engine:
     def _observe_host(self, now: float) -> None:
         sample = self._meter.sample()
         if sample is not None:
-            # a CPU engine's OpenMP workers count at the share of time it computes: its predicted step
-            # over the frame period while answering (engine.capacity.counted_engine_cpu; docs/soak.md)
-            workers = self._engine_threads - 1 if self._capacity.codec_on_host else 0
-            responding = sum(1 for c in self._conversations.values() if c.responding)
-            share = min(1.0, self._capacity.predicted_step_ms(responding) / FRAME_MS) if responding else 0.0
-            engine_cpu = counted_engine_cpu(sample.children_cpu, sample.children_threads, workers, share)
-            self._capacity.observe_host(now, sample.interval_s, self._active(), sample.process_cpu + engine_cpu,
+            self._capacity.observe_host(now, sample.interval_s, self._active(), sample.process_cpu + sample.children_cpu,
                                         sample.other_cpu)
         self._feedback.tick(now, self._capacity.capacity())
         self._log_capacity()

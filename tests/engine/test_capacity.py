@@ -3,7 +3,7 @@ and which one limits; the lateness feedback on a simulated clock."""
 
 import pytest
 
-from engine.capacity import CapacityModel, LatenessFeedback, counted_engine_cpu
+from engine.capacity import CapacityModel, LatenessFeedback
 
 
 def test_capacity_from_measured_step_times() -> None:
@@ -62,14 +62,6 @@ def test_a_gpu_codec_bounds_on_its_own_and_leaves_the_host() -> None:
                       tokenizer_rtf=0.1, session_cpu=0.01, engine_cpu=0.01, fixed_cpu=0.6)
     assert m.bounds()["gpu_codec"] == 400 and m.bounds()["cpu"] == 610  # floor((12.8 - 0.6) / 0.02): no codec on the CPU
     assert m.capacity() == 64 and m.limited_by() == "max_conversations"
-
-
-def test_openmp_workers_count_at_the_engines_compute_share() -> None:
-    # recorded: 6 callers, the engine core on two threads (cpu_threads 2): 0.63 + 0.58 cores, and its others
-    threads = (0.63, 0.58, 0.013)
-    assert counted_engine_cpu(1.223, threads, workers=0, compute_share=0.15) == 1.223  # one thread: as measured
-    assert counted_engine_cpu(1.223, threads, workers=1, compute_share=0.15) == pytest.approx(1.223 - 0.58 + 0.15)
-    assert counted_engine_cpu(0.05, (0.05,), workers=3, compute_share=0.0) == 0.05  # idle: the workers sleep
 
 
 def test_lateness_cuts_at_once_and_recovers_slowly() -> None:
