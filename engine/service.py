@@ -729,7 +729,7 @@ class Engine:
         self._ready = True
 
     async def _watch_host(self, every_s: float = 1.0) -> None:
-        """Once a second: the host's CPU into the capacity model, late chunks into the feedback."""
+        """Once a second: the machine's CPU use into the capacity model; the feedback's ceiling recovers."""
         while True:
             await asyncio.sleep(every_s)
             try:
@@ -746,8 +746,8 @@ class Engine:
         self._log_capacity()
 
     def report_delivery(self, chunks: int, late_chunks: int, underruns: int) -> None:
-        """What the gateway's sessions got since the last report: `chunks` audio chunks, `late_chunks`
-        of them after their playback deadline, `underruns` reported by clients (each counts as late)."""
+        """What the gateway's sessions got since the last report: `chunks` audio chunks, `late_chunks` of
+        them so late that the client's lead ran out, `underruns` reported by clients (each counts as late)."""
         self._feedback.record(self._active(), time.monotonic(), chunks, late_chunks + underruns,
                               f"{underruns} underruns reported" if underruns else "")
         self._log_capacity()
