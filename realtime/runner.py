@@ -394,8 +394,9 @@ class SessionRunner:
         r = self.session.response
         if self._detached_at is None or self.suspended or (r is not None and not r.status.finished) or self.session.vad_pending:
             return  # (audio still in the VAD could end the turn and start an answer)
-        self.session.discard_speculation()  # no audio comes to confirm it: the turn stays open for a resume
-        self._run_commands()
+        if self.session.speculation is not None:
+            self.session.discard_speculation()  # no audio comes to confirm it: the turn stays open for a resume
+            self._run_commands()  # (the engine takes it back before the slot goes)
         self.conv.suspend()
         self.suspended = True
         log.info("session %s: detached, engine slot released until a resume", self.id)

@@ -670,3 +670,25 @@ def test_stop_does_not_keep_a_lost_link_for_a_resume():
         assert runner.end_reason() is CloseReason.CLIENT_CLOSED
 
     run(main)
+
+
+def test_a_speculation_is_taken_back_before_a_detached_session_gives_its_slot_back():
+    async def main():
+        rig = Rig(FakeEngine(answer_ms=1200, chunk_ms=80), {"limits": {"resume_grace_s": 5.0}})
+        a = MemoryLink()
+        runner = rig.open(a, resumable=True)
+        await until(lambda: a.sent, "session.created")
+        msgs = appends(user_turn16())
+        a.feed(*msgs[: 1600 // 20])  # the speech and its last pause (1520 ms), not the end of the turn (1680 ms)
+        conv = rig.conv(runner)
+        await until(lambda: runner.session.speculation is not None and runner.session.vad_pending is False
+                    and conv.calls and conv.calls[-1][0] in ("speculate", "push"), "the speculation at the last pause")
+        spec_id = runner.session.speculation.id
+        a.hang_up(lost=True)
+        await until(lambda: ("suspend",) in conv.calls, "the slot given back")
+        k = conv.calls.index(("suspend",))
+        assert conv.calls[k - 1] == ("discard", spec_id)  # taken back first: the user's turn stays open
+        assert conv.history == [] and not a.of("response.created")
+        assert rig.engine.suspended == {runner.id}
+
+    run(main)
