@@ -298,7 +298,6 @@ class Session:
         self._paused = False  # VAD mode: the user's speech paused (speculate_after_ms): audio is held
         self._held: list[np.ndarray] = []  # audio since the pause: pushed if the turn goes on, else not
         self.speculation: Response | None = None  # the answer started at the pause, not confirmed yet
-        self.speculation_allowed = True  # the shell may withhold speculation (e.g. under load)
         self._user_item: str | None = None  # the user item being spoken / buffered
         self._last_item: str | None = None
         self._speech_end_time: float | None = None  # monotonic end of the last committed user speech
@@ -505,7 +504,7 @@ class Session:
         start the answer now, unseen, so that it is ready if the silence does end the turn."""
         self._paused = True
         p = self.vad_params
-        if (not p.speculative or not p.create_response or not self.speculation_allowed or self.speculation is not None
+        if (not p.speculative or not p.create_response or self.speculation is not None
                 or (self.response is not None and not self.response.status.finished)):
             return
         r = Response(id=new_id("resp"), item_id=new_id("item"), epoch=self._epoch, speculative=True)
