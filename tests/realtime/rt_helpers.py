@@ -46,3 +46,16 @@ def running_gateway(loop_thread, model, capacity: int, config: dict):
     finally:
         loop_thread.run(gw.stop())
         loop_thread.run(eng.shutdown())
+
+
+async def aiortc_offer() -> str:
+    """An SDP offer as a browser makes one (audio + the `oai-events` data channel), from a peer closed at once."""
+    from aiortc import RTCConfiguration, RTCPeerConnection
+
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.addTransceiver("audio")
+    pc.createDataChannel("oai-events")
+    await pc.setLocalDescription(await pc.createOffer())
+    sdp = pc.localDescription.sdp
+    await pc.close()
+    return sdp

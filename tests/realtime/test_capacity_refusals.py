@@ -14,6 +14,7 @@ import urllib.request
 import numpy as np
 import websockets
 from fake_engine import FakeEngine
+from rt_helpers import aiortc_offer
 
 from realtime.config import config_from_dict
 from realtime.server import Gateway
@@ -27,18 +28,6 @@ def _get(port: int, path: str) -> tuple[int, dict, dict]:
             return r.status, dict(r.headers), json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read())
-
-
-async def _offer() -> str:
-    from aiortc import RTCConfiguration, RTCPeerConnection
-
-    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    pc.addTransceiver("audio")
-    pc.createDataChannel("oai-events")
-    await pc.setLocalDescription(await pc.createOffer())
-    sdp = pc.localDescription.sdp
-    await pc.close()
-    return sdp
 
 
 def test_at_capacity_every_transport_refuses_with_when_to_retry():
@@ -63,7 +52,7 @@ def test_at_capacity_every_transport_refuses_with_when_to_retry():
             await ws.wait_closed()
             assert ws.close_code == 1013 and "retry in 7 s" in ws.close_reason
             # WebRTC: 503, Retry-After, the code
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/realtime/calls", data=(await _offer()).encode(), method="POST",
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/realtime/calls", data=(await aiortc_offer()).encode(), method="POST",
                                          headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/sdp"})
             try:
                 await asyncio.to_thread(urllib.request.urlopen, req, None, 10)

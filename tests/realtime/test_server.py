@@ -21,6 +21,7 @@ from rt_helpers import espeak, running_gateway, silence
 
 from engine.service_api import Role
 from realtime.audio import InputDecoder, OutputEncoder, WireFormat
+from realtime.soak.server_process import read_metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -252,18 +253,16 @@ def test_barge_in_truncates_history_to_played_ms(gateway, speech):
     assert history[1].audio_frames == played_ms // 20  # the engine's next prompt holds exactly the played frames
 
 
-def _metric(gw, name: str, **labels) -> float:
-    with urllib.request.urlopen(url(gw, f"/metrics?token={TOKEN}", "http")) as r:
-        text = r.read().decode()
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(want + " "))
+def _speculations(gw) -> dict[str, float]:
+    base = url(gw, "", "http")
+    return {o: read_metrics(base, TOKEN).get(f'duplex_speculative_responses_total{{outcome="{o}"}}', 0.0)
+            for o in ("confirmed", "discarded")}
 
 
 def test_speculative_answers_reach_the_client_only_once_confirmed(gateway, speech):
     """A pause within the user's speech starts an answer that the speech coming back discards: the
     client never sees it; the answer to the whole turn, started at its last pause, is the one it gets."""
-    discarded0 = _metric(gateway, "duplex_speculative_responses_total", outcome="discarded")
-    confirmed0 = _metric(gateway, "duplex_speculative_responses_total", outcome="confirmed")
+    before = _speculations(gateway)
 
     async def main():
         c = await connect(gateway)
@@ -285,8 +284,8 @@ def test_speculative_answers_reach_the_client_only_once_confirmed(gateway, speec
     assert c.types().count("input_audio_buffer.speech_started") == 1 and c.types().count("input_audio_buffer.committed") == 1
     assert {e["response_id"] for e in c.events if e["type"] == "response.output_audio.delta"} == {rid}
     assert not any(e["type"] == "error" for e in c.events)
-    assert _metric(gateway, "duplex_speculative_responses_total", outcome="discarded") >= discarded0 + 1
-    assert _metric(gateway, "duplex_speculative_responses_total", outcome="confirmed") == confirmed0 + 1
+    after = _speculations(gateway)
+    assert after["discarded"] >= before["discarded"] + 1 and after["confirmed"] == before["confirmed"] + 1
     # the engine heard one user turn (through the pause) and one answer
     assert [t.role for t in history] == [Role.USER, Role.ASSISTANT]
     assert history[0].audio_frames * 20 >= 1500  # both phrases and the pause between them

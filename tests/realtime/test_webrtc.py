@@ -16,7 +16,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from rt_helpers import running_gateway, silence
+from rt_helpers import aiortc_offer, running_gateway, silence
 
 from engine.service_api import Role
 
@@ -240,14 +240,7 @@ def test_webrtc_barge_in_clears_at_what_the_track_sent(gateway, speech):
 def test_webrtc_refusals_and_bad_offers(gateway, speech):
     async def main():
         await wait_sessions(gateway, 0)
-        from aiortc import RTCConfiguration, RTCPeerConnection
-
-        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-        pc.addTransceiver("audio")
-        pc.createDataChannel("oai-events")
-        await pc.setLocalDescription(await pc.createOffer())
-        offer = pc.localDescription.sdp
-        await pc.close()
+        offer = await aiortc_offer()
         out = {
             "no_token": await asyncio.to_thread(post_offer, gateway, offer, None),
             "bad_token": await asyncio.to_thread(post_offer, gateway, offer, "wrong"),
