@@ -750,7 +750,8 @@ class Engine:
         them so late that the client's lead ran out, `underruns` reported by clients (each counts as late)."""
         self._feedback.record(self._active(), time.monotonic(), chunks, late_chunks + underruns,
                               f"{underruns} underruns reported" if underruns else "")
-        self._log_capacity()
+        if self._feedback.reasons:  # (called several times a second per session: log only a change)
+            self._log_capacity()
 
     def _log_capacity(self) -> None:
         for why in self._feedback.reasons:
