@@ -7,6 +7,7 @@ speculated), also when context management dropped exchanges for it; with and wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -92,6 +93,17 @@ async def discarded(conv, pcm: np.ndarray, after_chunks: int) -> tuple:
     return handle, got
 
 
+@contextlib.asynccontextmanager
+async def side_by_side(engine, name: str, options: ConversationOptions):
+    """Two conversations that hear the same user: one answered plainly, one speculatively."""
+    plain, spec = engine.open_conversation(f"{name}_plain", options), engine.open_conversation(f"{name}_spec", options)
+    try:
+        yield plain, spec
+    finally:
+        await plain.close()
+        await spec.close()
+
+
 def same_conversation(a, b) -> None:
     assert a.history == b.history
     np.testing.assert_array_equal(a.next_prompt(), b.next_prompt())
@@ -100,9 +112,7 @@ def same_conversation(a, b) -> None:
 @pytest.mark.parametrize("options", [GREEDY, GUIDED], ids=["greedy", "cfg"])
 def test_a_confirmed_speculation_is_the_plain_answer(engine, loop_thread, options) -> None:
     async def main():
-        plain = engine.open_conversation(f"spec_plain_{options.cfg_scale}", options)
-        spec = engine.open_conversation(f"spec_confirmed_{options.cfg_scale}", options)
-        try:
+        async with side_by_side(engine, f"confirmed_{options.cfg_scale}", options) as (plain, spec):
             for t, seconds in enumerate((1.0, 0.7)):
                 pcm = speech(seconds, seed=10 + t)
                 want = await plain_turn(plain, pcm)
@@ -116,9 +126,6 @@ def test_a_confirmed_speculation_is_the_plain_answer(engine, loop_thread, option
                 same_conversation(spec, plain)
             with pytest.raises(RuntimeError):
                 handle.discard()  # confirmed: it stands
-        finally:
-            await plain.close()
-            await spec.close()
 
     loop_thread.run(main())
 
@@ -126,9 +133,7 @@ def test_a_confirmed_speculation_is_the_plain_answer(engine, loop_thread, option
 @pytest.mark.parametrize("options", [GREEDY, GUIDED], ids=["greedy", "cfg"])
 def test_a_discarded_speculation_never_happened(engine, loop_thread, options) -> None:
     async def main():
-        plain = engine.open_conversation(f"disc_plain_{options.cfg_scale}", options)
-        spec = engine.open_conversation(f"disc_spec_{options.cfg_scale}", options)
-        try:
+        async with side_by_side(engine, f"discarded_{options.cfg_scale}", options) as (plain, spec):
             first = speech(0.8, seed=20)
             same_answer(await confirmed_turn(spec, first), await plain_turn(plain, first))
             for t, after_chunks in enumerate((1, 0)):  # discarded after its first chunk; before any
@@ -145,18 +150,13 @@ def test_a_discarded_speculation_never_happened(engine, loop_thread, options) ->
             with pytest.raises(RuntimeError):
                 handle.discard()  # only a speculative answer can be taken back
             handle.cancel(0.0)
-        finally:
-            await plain.close()
-            await spec.close()
 
     loop_thread.run(main())
 
 
 def test_a_discard_restores_the_exchanges_dropped_for_it(engine, loop_thread) -> None:
     async def main():
-        plain = engine.open_conversation("drop_plain", GREEDY)
-        spec = engine.open_conversation("drop_spec", GREEDY)
-        try:
+        async with side_by_side(engine, "drop", GREEDY) as (plain, spec):
             for t in range(4):  # 4 exchanges of 100 positions each
                 pcm = speech(1.2, seed=30 + t)
                 same_answer(await confirmed_turn(spec, pcm), await plain_turn(plain, pcm))
@@ -175,8 +175,5 @@ def test_a_discard_restores_the_exchanges_dropped_for_it(engine, loop_thread) ->
             same_answer(got, await collect(want_handle))
             assert len(resumed.dropped_exchanges) == len(want_handle.dropped_exchanges) > 0
             same_conversation(spec, plain)
-        finally:
-            await plain.close()
-            await spec.close()
 
     loop_thread.run(main())
