@@ -7,7 +7,7 @@ side by side in one run (docs/soak.md, "Speculative response").
 1. One session through the official `openai` SDK's realtime client against `duplex serve` (tiny
    model): the same espeak-ng sentences, turns alternating speculation off / on
    (`turn_detection.speculative` in `session.update`), each followed by silence. The server's time to
-   first audio (end of speech -> first audio sent; the `duplex.latency` event, opted in with
+   first audio (end of speech -> first audio sent; `response.done`'s `duplex` figures, opted in with
    `?duplex=1`) minus `silence_duration_ms` is what the caller waits beyond the silence itself.
 2. The capacity edge: a soak of `--sessions` callers on every transport (scripts/soak.py), once with
    speculation off, once on (`vad.speculative` and `telephony.vad.speculative` in the server config;
@@ -59,20 +59,17 @@ async def _sdk_turns(base: str, token: str, turns: int) -> dict[bool, list[dict]
 
         async def until(kind: str) -> dict:
             while True:
-                ev = json.loads(await conn.recv_bytes())  # raw: `duplex.latency` is ours, not in the SDK's union
+                ev = json.loads(await conn.recv_bytes())  # raw: our events are not in the SDK's union
                 if ev["type"] == "error":
                     raise RuntimeError(f"server error: {ev['error']}")
                 if ev["type"] == kind:
                     return ev
-                if ev["type"] == "duplex.latency":
-                    latency.update(ev)
 
         await until("session.created")
         for k in range(2 * turns):
             speculative = k % 4 in (1, 2)  # off, on, on, off, ...: each mode as often first
             await conn.session.update(session={"type": "realtime", "audio": {"input": {"transcription": None, "turn_detection": {
                 "type": "server_vad", "silence_duration_ms": SILENCE_MS, "speculative": speculative}}}})
-            latency: dict = {}
             await until("session.updated")
             speech = _pcm24(sentences[k % len(sentences)].pcm16k)
             audio = np.concatenate([speech, np.zeros(24 * (SILENCE_MS + 1500))])
