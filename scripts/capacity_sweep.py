@@ -9,7 +9,8 @@ chunks on time, while the server's capacity model (engine/capacity.py) keeps pre
 measures (its bounds, read from /healthz every second). The edge is the largest N whose callers keep
 at least --goal of their chunks on time; the prediction is the model's median over the runs at the
 edge and up to two callers below it (beyond the edge the machine is overloaded: the engine's steps
-slow down and the model rightly reports that it can serve fewer, which is no prediction of the edge). Last line: edge=E predicted=P error=X% (|P - E| / E).
+slow down and the model rightly reports that it can serve fewer, which is no prediction of the edge).
+Last line: edge=E predicted=P error=X% (|P - E| / E).
 
 Soak callers run on this machine: they are other processes to the server, as interference from
 outside would be, and the model counts them (its `other_cpu`).

@@ -35,6 +35,9 @@ def test_short_soak_every_frame_accounted(tmp_path, tiny_model):
     assert set(report["by_transport"]) == {"ws-pcm16", "ws-opus", "webrtc", "twilio"}
     assert report["server"]["healthy_after"] and report["server"]["exit_code"] == 0
     assert (tmp_path / report["plot"].rsplit("/", 1)[1]).exists()
+    # /healthz answers 503 while the forced cap is reached; the timeline still holds the model's bounds
+    cap = report["capacity"]
+    assert cap is not None and cap["samples"] > 5 and cap["limited_by"] in ("engine", "cpu", "max_conversations")
 
 
 def test_fault_runs_leave_the_server_and_the_witness_unharmed(tmp_path, tiny_model):
@@ -92,3 +95,14 @@ def test_accounting_counts_frames_sent_to_a_refused_call_as_refused_not_lost():
     assert acct["frames_to_refused_calls"] == 1 and acct["frames_unaccounted"] == 0
     after["duplex_input_frames_total"] = 107.0  # one of the admitted caller's frames went nowhere
     assert accounting(records, before, after)["frames_unaccounted"] == 1
+
+
+def test_the_report_takes_the_models_prediction_after_the_ramp():
+    from realtime.soak.report import predicted_capacity
+
+    timeline = [{"t": 1.0, "bounds": {"engine": 16, "cpu": 2}},  # during the ramp: left out
+                {"t": 8.0, "ready": False, "detail": "HTTP 503"},  # no bounds: left out
+                *({"t": 8.0 + k, "bounds": {"engine": 16, "cpu": c}} for k, c in enumerate((7, 8, 8, 9, 8)))]
+    assert predicted_capacity(timeline, ramp_s=2.0) == {"predicted_p50": 8, "predicted_min": 7, "predicted_max": 9,
+                                                       "limited_by": "cpu", "samples": 5}
+    assert predicted_capacity(timeline[:2], ramp_s=2.0) is None
