@@ -51,6 +51,7 @@ class GatewayMetrics:
         self.underruns.inc(new.underruns_reported - old.underruns_reported)
         self.chunks_late.inc(new.chunks_late - old.chunks_late)
         self.input_frames.inc(new.input_frames - old.input_frames)
+        self.exchanges_dropped.inc(new.exchanges_dropped - old.exchanges_dropped)
         for ms in new.ttfa_ms[len(old.ttfa_ms):]:
             self.ttfa.observe(ms / 1000.0)
 

@@ -512,8 +512,6 @@ class SessionRunner:
             case EngineChunk(rid, chunk):
                 self.session.receive_engine_chunk(rid, chunk.pcm, chunk.text_delta, chunk.is_last, chunk.deadline, now)
             case HistoryDropped(rids, for_response):
-                if self.session.speculation is None or self.session.speculation.id != for_response:
-                    self.deps.metrics.exchanges_dropped.inc(len(rids))  # a speculation's, once confirmed
                 self.session.receive_history_dropped(rids, for_response)
             case EngineFailed(rid, error):
                 if self.session.receive_engine_error(rid, now):
@@ -568,9 +566,6 @@ class SessionRunner:
                     if self._latest is not None and self._latest.id == rid:
                         self._latest.confirm()
                         self.deps.metrics.speculative.labels("confirmed").inc()
-                        r = self.session.response
-                        if r is not None and r.id == rid:
-                            self.deps.metrics.exchanges_dropped.inc(len(r.dropped))
                 case DiscardResponse(rid):
                     if self._latest is not None and self._latest.id == rid:
                         self._latest.discard()
@@ -627,8 +622,8 @@ class SessionRunner:
         Input frames and chunks change with every packet, so alone they are counted at most every
         `_OBSERVE_FRAMES_S` (and at the end)."""
         st, seen = self.session.stats, self._stats
-        if (st.barge_ins, st.underruns_reported, st.chunks_late, len(st.ttfa_ms)) == (
-                seen.barge_ins, seen.underruns_reported, seen.chunks_late, len(seen.ttfa_ms)):
+        if (st.barge_ins, st.underruns_reported, st.chunks_late, st.exchanges_dropped, len(st.ttfa_ms)) == (
+                seen.barge_ins, seen.underruns_reported, seen.chunks_late, seen.exchanges_dropped, len(seen.ttfa_ms)):
             if ((st.input_frames, st.chunks) == (seen.input_frames, seen.chunks)
                     or (not force and now - self._observed_at < _OBSERVE_FRAMES_S)):
                 return

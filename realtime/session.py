@@ -265,6 +265,7 @@ class SessionStats:
     ttfa_ms: list = field(default_factory=list)
     speculative_confirmed: int = 0
     speculative_discarded: int = 0
+    exchanges_dropped: int = 0  # told to the client (conversation.item.deleted) after context management dropped them
 
 
 _ids = itertools.count(1)
@@ -298,6 +299,7 @@ class Session:
         self._paused = False  # VAD mode: the user's speech paused (speculate_after_ms): audio is held
         self._held: list[np.ndarray] = []  # audio since the pause: pushed if the turn goes on, else not
         self.speculation: Response | None = None  # the answer started at the pause, not confirmed yet
+        self._discarded: set[str] = set()  # speculations taken back: the engine restored what they dropped
         self._user_item: str | None = None  # the user item being spoken / buffered
         self._last_item: str | None = None
         self._speech_end_time: float | None = None  # monotonic end of the last committed user speech
@@ -528,6 +530,7 @@ class Session:
         """Take back the speculative answer, if one runs: the engine forgets it, the client never knew of it."""
         r, self.speculation = self.speculation, None
         if r is not None:
+            self._discarded.add(r.id)
             self._commands.append(DiscardResponse(r.id))
             self.stats.speculative_discarded += 1
 
@@ -705,11 +708,12 @@ class Session:
     def receive_history_dropped(self, response_ids: tuple[str, ...], for_response: str | None = None) -> None:
         """The engine dropped these responses' exchanges from the conversation to fit its context (to make
         room for `for_response`: a speculative one tells the client once confirmed, a discarded one never)."""
-        if for_response is not None and self.speculation is not None and self.speculation.id == for_response:
+        if self.speculation is not None and self.speculation.id == for_response:
             self.speculation.dropped = response_ids
             return
-        if for_response is not None and (self.response is None or self.response.id != for_response):
-            return  # a discarded speculation's drops: the engine restored them
+        if for_response in self._discarded:
+            return  # the engine restored them
+        self.stats.exchanges_dropped += len(response_ids)
         for rid in response_ids:
             for item_id in self._exchange_items.pop(rid, ()):
                 self._deleted_items.add(item_id)

@@ -621,3 +621,20 @@ def test_a_confirmed_speculation_is_late_against_its_playback_not_the_engines_fi
     assert s.stats.chunks_gap == 0  # 10 ms late: the lead the client holds (150 ms) covers it
     engine_chunk(s, spec_id, answer(80), first_at + 0.24 + shift + LEAD_MS / 1000 + 0.01, rec, deadline=first_at + 0.24)
     assert s.stats.chunks_late == 2 and s.stats.chunks_gap == 1  # late beyond the lead: a gap the client hears
+
+
+def test_exchanges_dropped_for_a_speculation_are_told_once_confirmed_and_never_once_discarded():
+    s, rec = new_session(), Rec()
+    pcm = np.concatenate([silence(300), speech(1.0, seed=3), silence(600)])
+    now = feed_audio(s, pcm[: 700 * RATE // 1000], T0, rec)  # the pause within the speech: a speculation
+    first = s.speculation.id
+    s.receive_history_dropped(("resp_a",), first)
+    assert s.speculation.dropped == ("resp_a",) and s.stats.exchanges_dropped == 0  # held
+    now = feed_audio(s, pcm[700 * RATE // 1000 : 1600 * RATE // 1000], now, rec)  # speech again: discarded
+    assert rec.of(DiscardResponse)[0] == DiscardResponse(first)
+    s.receive_history_dropped(("resp_b",), first)  # late news of the discarded one: the engine restored them
+    assert s.stats.exchanges_dropped == 0
+    second = s.speculation.id
+    s.receive_history_dropped(("resp_c",), second)
+    feed_audio(s, pcm[1600 * RATE // 1000 :], now, rec)  # the turn ends: confirmed, its drops told
+    assert rec.of(ResponseCreated)[0].response_id == second and s.stats.exchanges_dropped == 1
