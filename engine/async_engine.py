@@ -70,6 +70,16 @@ def _set_vllm_env(cfg: EngineConfig) -> None:
     # One engine-core process holding the worker, instead of two: half the start-up time, and
     # the gateway's process stays free of model work either way.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and cfg.cpu_threads != 1:
+        # A CPU engine's OpenMP team shares the cores with the gateway's process (codec, tokenizer,
+        # VAD, transports). libgomp's default keeps a team's threads spinning after every parallel
+        # region, on cores those need: with 2 threads on 2 cores, 8 callers kept 89.5-98.8 % of chunks
+        # on time spinning and 99.3 % sleeping at once, 7 callers 99.9 % (scripts/capacity_sweep.py,
+        # docs/soak.md). The engine core is spawned after this, so it alone reads it; an operator's
+        # own setting wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def engine_args(cfg: EngineConfig):
