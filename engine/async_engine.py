@@ -157,6 +157,11 @@ class AsyncOpusEngine:
         llm = AsyncLLM.from_engine_args(engine_args(cfg))
         return cls(llm, cfg)
 
+    @property
+    def errored(self) -> bool:
+        """The engine core died (vLLM's own flag): nothing it holds can go on."""
+        return self._llm.errored
+
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 

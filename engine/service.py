@@ -651,6 +651,7 @@ class Engine:
         self._suspended: set[str] = set()  # open, but their clients are away: no slot held
         self._salt_ids = itertools.count()
         self._ready = False
+        self._stopped = False
         self._capacity = CapacityModel(max_conversations=min(config.max_conversations, config.max_num_seqs),
                                        margin=config.capacity_margin)
         self._feedback = LatenessFeedback()
@@ -836,7 +837,9 @@ class Engine:
         return max(1, self._capacity.capacity(self._feedback.ceiling))
 
     def health(self) -> EngineHealth:
-        return EngineHealth(ready=self._ready, detail="ready" if self._ready else "starting")
+        if self._ready and self.llm.errored:
+            return EngineHealth(ready=False, detail="engine_failed")
+        return EngineHealth(ready=self._ready, detail="ready" if self._ready else "stopped" if self._stopped else "starting")
 
     def load(self) -> EngineLoad:
         responding = sum(1 for c in self._conversations.values() if c.responding)
@@ -859,7 +862,7 @@ class Engine:
             self._host_task.cancel()
         for conv in list(self._conversations.values()):
             await conv.close()
-        self._ready = False
+        self._ready, self._stopped = False, True
         if hasattr(self, "_codec"):
             self._codec.stop()
         if hasattr(self, "llm"):

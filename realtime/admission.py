@@ -37,7 +37,11 @@ class Admission:
         self.metrics = metrics
         self.sessions: dict[str, SessionRunner] = {}
         self.closing = False  # the server is stopping: nobody is admitted, lost links are not kept
-        self.deps = RunnerDeps(config.limits, metrics, vad, lambda: self.closing, self._gateway_full, engine.report_delivery)
+        self.draining = False  # the server is draining: no new session; running ones (and their resumes) go on
+        self.deps = RunnerDeps(config.limits, metrics, vad, lambda: self.closing, lambda: self._gateway_full(resume=True),
+                               engine.report_delivery)
+        self._idle = asyncio.Event()  # no session registered
+        self._idle.set()
         self._background: set[asyncio.Task] = set()
 
     def new_session(self, vad: VadParams | None | object = SERVER_VAD, output_frame_ms: int | None = None,
@@ -58,6 +62,7 @@ class Admission:
         conv = self._open_conversation(session.id, proto)
         runner = SessionRunner(self.deps, link, proto, conv, transport, resume_token, audio_out)
         self.sessions[runner.id] = runner
+        self._idle.clear()
         self.metrics.sessions_total.inc()
         self.metrics.sessions_active.inc()
         log.info("session %s (%s) start: %d open", runner.id, transport, len(self.sessions))
@@ -84,6 +89,7 @@ class Admission:
         """Unregister a session that never ran (its transport failed to set up) and free its conversation."""
         if self.sessions.pop(runner.id, None) is not None:
             self.metrics.sessions_active.dec()
+            self._note_idle()
             await runner.conv.close()
 
     async def discard(self, runner: SessionRunner) -> None:
@@ -91,6 +97,7 @@ class Admission:
         if self.sessions.pop(runner.id, None) is None:
             return
         self.metrics.sessions_active.dec()
+        self._note_idle()
         await runner.conv.close()
         m = self.metrics
         m.sessions_ended.labels(runner.transport, runner.end_reason().label).inc()
@@ -103,6 +110,21 @@ class Admission:
         return next((r for r in list(self.sessions.values())
                      if r.resume_token is not None and same_secret(token, r.resume_token)), None)
 
+    def _note_idle(self) -> None:
+        if not self.sessions:
+            self._idle.set()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Admit no new session and wait until the running ones end (True) or `timeout_s` passes (False).
+        Their resumes are still taken: a call whose link dropped is a running call."""
+        self.draining = True
+        log.info("draining: no new sessions; waiting up to %.0f s for %d running", timeout_s, len(self.sessions))
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     async def stop(self) -> None:
         """Tell every session the server is going away and wait for them to close."""
         self.closing = True
@@ -112,11 +134,14 @@ class Admission:
         if tasks:
             await asyncio.wait(tasks, timeout=self.config.limits.close_timeout_s)
 
-    def _gateway_full(self) -> str | None:
-        """Why no session may take a slot now, or None. Detached sessions between answers hold none."""
+    def _gateway_full(self, resume: bool = False) -> str | None:
+        """Why no session (`resume`: no resumed session) may take a slot now, or None. Detached sessions
+        between answers hold none."""
         cap = self.config.limits.max_sessions
         if self.closing:
             return "the server is shutting down"
+        if self.draining and not resume:
+            return "the server is draining (it takes no new sessions; another replica does)"
         holding = sum(1 for r in self.sessions.values() if not r.suspended)
         if cap is not None and holding >= cap:
             return f"server at capacity: {holding} sessions active (limit {cap})"

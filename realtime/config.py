@@ -13,6 +13,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field, fields
+import re
 from pathlib import Path
 
 from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
@@ -27,6 +28,10 @@ class ServerSection:
     port: int = 8000
     token: str | None = None  # None: a random token is generated at start and printed
     public_url: str | None = None  # how clients reach us (printed URLs); default http://host:port
+    # This replica's name behind a load balancer (a DNS label: the pod name of a StatefulSet). It is
+    # written into resume tokens and Twilio stream URLs, so the balancer routes them back here
+    # (deploy/haproxy.cfg, docs/scaling.md). None: one server, tokens name nothing.
+    replica_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class LimitsSection:
     max_message_bytes: int = 1 << 21  # one WebSocket message; larger ones close the socket with 1009
     max_append_bytes: int = 1 << 20  # decoded audio in one input_audio_buffer.append
     max_sessions: int | None = None  # gateway cap; None: the engine's admission control decides
+    drain_timeout_s: float = 300.0  # SIGTERM: running sessions may go on this long before they are closed
     retry_after_s: float = 5.0  # what a caller refused at capacity is told: try again after this long (and /healthz)
     inbound_queue: int = 256  # client messages + engine chunks waiting for the session task
     outbound_queue: int = 512  # messages waiting for the socket; full => slow client, disconnected
@@ -68,6 +74,7 @@ class VadSection(VadParams):
         return VadParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(VadParams)}) if self.enabled else None
 
 
+REPLICA_ID = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label (RFC 1123), as Kubernetes names pods
 MAX_SEED = 2**63 - 1
 MAX_TOP_K = 1_000_000  # beyond any vocabulary: the same as no top-k
 
@@ -221,6 +228,7 @@ def config_from_dict(data: dict | None) -> ServerConfig:
 def validate(cfg: ServerConfig) -> None:
     checks = [
         ("server.port", 0 <= cfg.server.port <= 65535),
+        ("limits.drain_timeout_s", 0 <= cfg.limits.drain_timeout_s <= 86_400),
         ("limits.max_message_bytes", cfg.limits.max_message_bytes >= 1024),
         ("limits.max_append_bytes", cfg.limits.max_append_bytes >= 1),
         ("limits.max_sessions", cfg.limits.max_sessions is None or cfg.limits.max_sessions >= 0),
@@ -243,6 +251,9 @@ def validate(cfg: ServerConfig) -> None:
     for key, ok in checks:
         if not ok:
             raise ValueError(f"config key '{key}': value out of range")
+    if cfg.server.replica_id is not None and not REPLICA_ID.fullmatch(cfg.server.replica_id):
+        raise ValueError(f"config key 'server.replica_id': {cfg.server.replica_id!r} is not a DNS label (1-63 of a-z, 0-9 "
+                         "and '-', not starting or ending with '-'): it goes into URLs and load balancer backend names")
     for name, why in cfg.session.problems():
         raise ValueError(f"config key 'session.{name}': value out of range ({why})")
     for key, params in (("vad", cfg.vad), ("telephony.vad", cfg.telephony.vad), ("limits.input", cfg.limits.input)):

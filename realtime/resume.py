@@ -14,8 +14,12 @@ from collections import deque
 from dataclasses import dataclass
 
 
-def new_resume_token() -> str:
-    return "resume_" + secrets.token_urlsafe(24)
+def new_resume_token(replica_id: str | None = None) -> str:
+    """A secret naming the session; behind a load balancer also the replica that holds it
+    (`resume.<replica>.<secret>`: the balancer routes `?resume=` on the second dot-separated field,
+    deploy/haproxy.cfg; the secret's alphabet has no dot)."""
+    secret = secrets.token_urlsafe(24)
+    return f"resume.{replica_id}.{secret}" if replica_id else "resume_" + secret
 
 
 @dataclass(frozen=True)

@@ -422,7 +422,12 @@ class SessionRunner:
             r = self.session.response
             # A playing answer defers the idle timeout: its deadline is no wake-up (a past one would spin the loop).
             idle_wake = None if self._detached_at is None and r is not None and not r.status.finished else idle_at
-            wake = min((t for t in (next_due, idle_wake) if t is not None), default=None)
+            # Frames and chunks not yet in the metrics are counted by a deadline, not only at the next input:
+            # a caller who went quiet would leave its last quarter-second uncounted until the session ends.
+            st, seen = self.session.stats, self._stats
+            observe_due = (self._observed_at + _OBSERVE_FRAMES_S
+                           if (st.input_frames, st.chunks) != (seen.input_frames, seen.chunks) else None)
+            wake = min((t for t in (next_due, idle_wake, observe_due) if t is not None), default=None)
             if self.inbox.empty and (wake is None or wake > now):
                 if wake is not None:
                     self._arm_deadline(wake)

@@ -1,6 +1,7 @@
 """The gateway's I/O shell: HTTP and WebSocket on one port with `websockets` (docs/architecture.md).
 
-    GET  /healthz               engine readiness (no auth)
+    GET  /healthz               readiness: 200 when a new session would be admitted (no auth)
+    GET  /livez                 liveness: 200 while the server serves, draining or full included (no auth)
     GET  /metrics               Prometheus text (auth)
     GET  /, /web/...            the demo page, static files from web/ (no auth: they hold no secrets)
     WS   /v1/realtime           OpenAI-Realtime-style events (auth; realtime/transports/websocket.py)
@@ -92,7 +93,28 @@ class Gateway:
             self._server.close()
             await self._server.wait_closed()
 
+    async def drain(self) -> bool:
+        """The first half of a graceful stop (SIGTERM; `stop()` is the second): /healthz says `draining`
+        and new sessions are refused, so a load balancer sends them to other replicas; running sessions
+        go on until they end (True) or `limits.drain_timeout_s` passes (False)."""
+        timeout_s = self.config.limits.drain_timeout_s
+        if await self.admission.drain(timeout_s):
+            log.info("drained: every session ended")
+            return True
+        log.warning("drain timeout (%.0f s): %d sessions still open", timeout_s, len(self.sessions))
+        return False
+
     # ---- HTTP ----
+    def _live(self) -> HttpReply:
+        """200 while this server serves its sessions (and their resumes), also when it is full or draining;
+        503 once it stops or its engine failed: a load balancer's check for routing resumes and Twilio
+        streams to their replica, and a liveness probe."""
+        health = self.engine.health()
+        live = not self.admission.closing and (health.ready or health.detail == "starting")
+        body = {"live": live, "draining": self.admission.draining, "detail": health.detail,
+                "replica_id": self.config.server.replica_id}
+        return HttpReply(HTTPStatus.OK if live else HTTPStatus.SERVICE_UNAVAILABLE, json.dumps(body), "application/json")
+
     def _health(self) -> HttpReply:
         """200 when a new session would be admitted; 503 while starting, stopping or at capacity (a load
         balancer's health check then sends new callers elsewhere; running sessions are unaffected)."""
@@ -104,7 +126,8 @@ class Gateway:
             body.update(capacity=load.capacity, limited_by=load.extra.get("limited_by"), at_capacity=full is not None,
                         bounds=load.extra.get("bounds"), feedback_ceiling=load.extra.get("feedback_ceiling"))
             if full is not None:
-                body.update(detail="stopping" if self.admission.closing else "at_capacity", reason=full,
+                a = self.admission
+                body.update(detail="stopping" if a.closing else "draining" if a.draining else "at_capacity", reason=full,
                             retry_after_s=self.config.limits.retry_after_s)
         ok = health.ready and full is None
         return HttpReply(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, json.dumps(body), "application/json")
@@ -114,6 +137,8 @@ class Gateway:
         path, query = parts.path, parse_qs(parts.query)
         if path == "/healthz":
             return respond(connection, self._health())
+        if path == "/livez":
+            return respond(connection, self._live())
         if request.method == "GET" and (path == "/" or path.startswith("/web/")):
             return respond(connection, static_file(path))
         ws_route, http_route = self.routes.ws.get(path), self.routes.http.get(path)

@@ -23,6 +23,7 @@ def register(subparsers) -> None:
     p.add_argument("--host", help="server.host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="server.port (default 8000; 0 = any free port)")
     p.add_argument("--token", help="server.token: bearer token clients must send (default: random, printed)")
+    p.add_argument("--replica-id", help="server.replica_id: this replica's name behind a load balancer (a DNS label; docs/scaling.md)")
     p.add_argument("--model", help="engine.model: checkpoint directory, or hub id owner/name[@rev] of one (default: the cached tiny model)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.set_defaults(func=run)
@@ -30,7 +31,8 @@ def register(subparsers) -> None:
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
     cfg = load_config(args.config)
-    cfg = with_overrides(cfg, **{"server.host": args.host, "server.port": args.port, "server.token": args.token})
+    cfg = with_overrides(cfg, **{"server.host": args.host, "server.port": args.port, "server.token": args.token,
+                                 "server.replica_id": args.replica_id})
     if args.model is not None:
         cfg = dataclasses.replace(cfg, engine={**cfg.engine, "model": args.model})
     return cfg
@@ -86,11 +88,23 @@ async def _serve(cfg: ServerConfig, ecfg, voices: dict) -> int:
         ws = base.replace("http", "ws", 1)
         print(f"duplex serve: ready\n  demo page:  {base}/?token={token}\n  websocket:  {ws}/v1/realtime  "
               f"(Authorization: Bearer {token})\n  metrics:    {base}/metrics   health: {base}/healthz", flush=True)
-        stop = asyncio.Event()
+        # SIGTERM (a rolling restart, Kubernetes, systemd): drain, the running calls end on their own
+        # (up to limits.drain_timeout_s) while the balancer sends new ones elsewhere. SIGINT (Ctrl-C),
+        # or a second SIGTERM while draining: stop now.
+        stop, drain = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGTERM, lambda: stop.set() if drain.is_set() else drain.set())
+        stopped, drained = asyncio.create_task(stop.wait()), asyncio.create_task(drain.wait())
+        await asyncio.wait((stopped, drained), return_when=asyncio.FIRST_COMPLETED)
+        if drain.is_set() and not stop.is_set():
+            log.info("SIGTERM: draining %d sessions (up to %.0f s; SIGTERM again to stop now)",
+                     len(gw.sessions), cfg.limits.drain_timeout_s)
+            draining = asyncio.create_task(gw.drain())
+            await asyncio.wait((stopped, draining), return_when=asyncio.FIRST_COMPLETED)
+            draining.cancel()
+        stopped.cancel()
+        drained.cancel()
         log.info("shutting down: closing %d sessions", len(gw.sessions))
     finally:
         await gw.stop()

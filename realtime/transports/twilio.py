@@ -50,8 +50,16 @@ CLOSE_POLICY = 1008
 def register(ctx: TransportContext) -> TwilioBridge:
     bridge = TwilioBridge(ctx)
     ctx.routes.ws[STREAM_PATH] = WsRoute(bridge.stream, auth=False)
+    if ctx.config.server.replica_id:  # the TwiML names this replica: the balancer routes the stream on it
+        ctx.routes.ws[replica_stream_path(ctx.config.server.replica_id)] = WsRoute(bridge.stream, auth=False)
     ctx.routes.http[TWIML_PATH] = HttpRoute(bridge.twiml, methods=("POST", "GET"), auth=False)
     return bridge
+
+
+def replica_stream_path(replica_id: str | None) -> str:
+    """Where a replica's TwiML sends the stream: behind a load balancer the path names the replica (Twilio
+    Media Streams take no query string), so the stream reaches the replica holding the call's ticket."""
+    return f"{STREAM_PATH}/{replica_id}" if replica_id else STREAM_PATH
 
 
 _LOOPBACK = ("localhost", "127.0.0.1", "[::1]")
@@ -108,7 +116,7 @@ class TwilioBridge:
                                                              "set telephony.public_url (or telephony.allowed_hosts)\n")
         call_sid = dict(form).get("CallSid") or next(iter(req.query.get("CallSid", [])), None)
         params = {"token": self.tickets.issue(call_sid)} if self.ctx.auth.token else {}
-        return HttpReply(HTTPStatus.OK, render_twiml(stream_url(base, STREAM_PATH), params), "text/xml; charset=utf-8")
+        return HttpReply(HTTPStatus.OK, render_twiml(stream_url(base, replica_stream_path(self.config.server.replica_id)), params), "text/xml; charset=utf-8")
 
     def _public_base(self, req: HttpRequest) -> str | None:
         """Where Twilio must open the stream (and take its one-time ticket): the configured public URL.

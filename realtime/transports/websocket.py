@@ -86,7 +86,7 @@ def register(ctx: TransportContext) -> None:
         query = parse_qs(urlsplit(ws.request.path).query)
         if "resume" in query:
             return await resume(ws, query)
-        token = new_resume_token() if limits.resume_grace_s > 0 else None
+        token = new_resume_token(ctx.config.server.replica_id) if limits.resume_grace_s > 0 else None
         # `?duplex=1` (our SDK): our additions from session.created on, its resume token included
         proto = realtime_protocol(ctx, admission.new_session(), token, extensions=query.get("duplex", ["0"])[0] == "1")
         try:
