@@ -23,9 +23,10 @@ if [[ $SYSTEM == 1 ]]; then
     apt-get update -qq
     # libopus0: Opus for the gateway; espeak-ng + sox: speech for tests and soak runs;
     # chromium (+ its driver): the demo page's browser tests (Playwright drives /usr/bin/chromium)
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopus0 espeak-ng sox chromium chromium-driver >/dev/null
+    # haproxy: the load balancer of deploy/haproxy.cfg (docs/scaling.md; tests/realtime/test_scaling.py)
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopus0 espeak-ng sox chromium chromium-driver haproxy >/dev/null
   else
-    echo "install.sh: --system needs root and apt-get; install libopus0 espeak-ng sox chromium yourself" >&2
+    echo "install.sh: --system needs root and apt-get; install libopus0 espeak-ng sox chromium haproxy yourself" >&2
   fi
 fi
 

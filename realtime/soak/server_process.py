@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,14 +19,17 @@ from pathlib import Path
 class ServerProcess:
     """`duplex serve` started for this run (port chosen by the OS)."""
 
-    def __init__(self, config: dict, token: str) -> None:
+    def __init__(self, config: dict, token: str, port: int = 0, replica_id: str | None = None) -> None:
+        """`port` 0: the OS picks one; `replica_id`: `--replica-id` (behind a load balancer)."""
         import yaml
 
         self.dir = Path(tempfile.mkdtemp(prefix="duplex-soak-"))
         (self.dir / "server.yaml").write_text(yaml.safe_dump(config))
         duplex = Path(sys.executable).parent / "duplex"
-        self.proc = subprocess.Popen([str(duplex), "serve", "--config", str(self.dir / "server.yaml"), "--port", "0", f"--token={token}"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        args = [str(duplex), "serve", "--config", str(self.dir / "server.yaml"), "--port", str(port), f"--token={token}"]
+        if replica_id:
+            args.append(f"--replica-id={replica_id}")
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log_path = self.dir / "server.log"
         self.base: str | None = None
         ready = threading.Event()
@@ -53,12 +57,22 @@ class ServerProcess:
         return self.proc.pid
 
     def stop(self) -> int | None:
+        """SIGTERM (a drain: at once when no session is open), then the exit status (None: killed after 60 s)."""
         self.proc.terminate()
         try:
             return self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return None
+
+    def kill(self) -> None:
+        """SIGKILL to the gateway and its engine core, as a machine's crash would: nothing is closed."""
+        for pid in reversed(process_tree(self.proc.pid)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
 
 
 def process_tree(pid: int) -> list[int]:
