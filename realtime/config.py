@@ -10,6 +10,7 @@ built; everything else is checked here.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -153,6 +154,15 @@ class TelephonySection:
 
 
 @dataclass(frozen=True)
+class WebRtcSection:
+    # The address browsers reach this replica's media on, when it is not the one its interfaces hold
+    # (a 1:1 NAT: a cloud VM's public IP, a Kubernetes node's address with hostNetwork): the answer's
+    # host candidates and c= lines carry it instead. The offer/answer may pass a load balancer; the
+    # media goes straight here (docs/scaling.md). None: the interfaces' own addresses.
+    public_host: str | None = None
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     server: ServerSection = field(default_factory=ServerSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
@@ -160,6 +170,7 @@ class ServerConfig:
     vad: VadSection = field(default_factory=VadSection)
     session: SessionSection = field(default_factory=SessionSection)
     telephony: TelephonySection = field(default_factory=TelephonySection)
+    webrtc: WebRtcSection = field(default_factory=WebRtcSection)
     engine: dict = field(default_factory=dict)  # EngineServiceConfig fields (model: null = tiny model)
 
 
@@ -213,7 +224,7 @@ def config_from_dict(data: dict | None) -> ServerConfig:
     if not isinstance(data, dict):
         raise ValueError("config: the top level must be a mapping")
     sections = {"server": ServerSection, "limits": LimitsSection, "audio": AudioSection, "vad": VadSection, "session": SessionSection,
-                "telephony": TelephonySection}
+                "telephony": TelephonySection, "webrtc": WebRtcSection}
     for k in data:
         if k not in sections and k != "engine":
             raise ValueError(f"config key '{k}': unknown section (known: {', '.join(sorted([*sections, 'engine']))})")
@@ -251,6 +262,12 @@ def validate(cfg: ServerConfig) -> None:
     for key, ok in checks:
         if not ok:
             raise ValueError(f"config key '{key}': value out of range")
+    if cfg.webrtc.public_host is not None:
+        try:
+            ipaddress.ip_address(cfg.webrtc.public_host)
+        except ValueError:
+            raise ValueError(f"config key 'webrtc.public_host': {cfg.webrtc.public_host!r} is not an IP address "
+                             "(ICE candidates carry addresses, not names)") from None
     if cfg.server.replica_id is not None and not REPLICA_ID.fullmatch(cfg.server.replica_id):
         raise ValueError(f"config key 'server.replica_id': {cfg.server.replica_id!r} is not a DNS label (1-63 of a-z, 0-9 "
                          "and '-', not starting or ending with '-'): it goes into URLs and load balancer backend names")
@@ -273,7 +290,7 @@ def validate(cfg: ServerConfig) -> None:
 
 def with_overrides(cfg: ServerConfig, **keys) -> ServerConfig:
     """Apply dotted-key overrides (from CLI flags), e.g. with_overrides(cfg, **{"server.port": 9000}); None = keep."""
-    data = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("server", "limits", "audio", "vad", "session", "telephony")}
+    data = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("server", "limits", "audio", "vad", "session", "telephony", "webrtc")}
     data["engine"] = dict(cfg.engine)
     for dotted, value in keys.items():
         if value is None:

@@ -132,6 +132,7 @@ def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, ti
         "memory": memory_growth(timeline),
         "capacity": predicted_capacity(timeline, cfg.ramp_s),
         "timeline": timeline,
+        "events": [{"t": round(e["at"] - t0, 2), "event": e["event"]} for e in getattr(cfg, "events", [])],
         "late_chunks": [(round(t - t0, 3), round(late, 1)) for r in records for a in r.answers for t, late in a.playout.late_at],
         "callers": [{k: v for k, v in asdict(r).items() if k != "answers"} | {"answers": len(r.answers)} for r in records],
     }
@@ -197,9 +198,20 @@ def plot(report: dict, records: list[CallerRecord], t0: float, path: Path) -> Pa
     ax[0, 1].set_ylabel("ms")
     ax[0, 1].legend(fontsize=7)
     tl = report["timeline"]
-    ax[1, 0].plot([r["t"] for r in tl], [r.get("sessions", 0) for r in tl])
-    ax[1, 0].set_title("sessions open on the server")
+    per_replica = [r for r in tl if r.get("replica_sessions")]
+    if per_replica:
+        for i in range(len(per_replica[0]["replica_sessions"])):
+            ax[1, 0].plot([r["t"] for r in per_replica], [r["replica_sessions"][i] or 0 for r in per_replica], label=f"replica {i}")
+        ax[1, 0].legend(fontsize=7)
+        ax[1, 0].set_title("sessions open on each replica")
+    else:
+        ax[1, 0].plot([r["t"] for r in tl], [r.get("sessions", 0) for r in tl])
+        ax[1, 0].set_title("sessions open on the server")
     ax[1, 0].set_xlabel("s")
+    for e in report.get("events", []):  # a kill, a drain: on every time axis
+        for a in (ax[0, 1], ax[1, 0], ax[1, 1]):
+            a.axvline(e["t"], color="red", ls=":", lw=1)
+        ax[1, 0].annotate(e["event"], (e["t"], 0), rotation=90, fontsize=7, color="red", va="bottom")
     if tl and "rss_mib" in tl[0]:
         ax[1, 1].plot([r["t"] for r in tl], [r.get("rss_mib", 0) for r in tl], label="gateway RSS")
         ax[1, 1].plot([r["t"] for r in tl], [r.get("rss_tree_mib", 0) for r in tl], label="gateway + engine RSS")

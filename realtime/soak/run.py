@@ -40,11 +40,23 @@ class SoakConfig:
     server_config: dict = field(default_factory=dict)  # for the server this run starts
     max_sessions: int | None = None  # server cap (overload runs)
     capacity: int | None = None  # the started server's engine capacity, instead of the measured one
+    metrics_urls: tuple[str, ...] = ()  # servers whose counters account for the frames (default: `url`); behind a
+    # balancer, every replica's own address: /metrics through the balancer is one replica's
+    events: list = field(default_factory=list)  # {"at": time.monotonic(), "event": str} added during the run (a kill, a
+    # drain): on the report's timeline and its plot
 
 
-async def _sampler(base: str, token: str, pid: int | None, t0: float, stop: asyncio.Event, out: list) -> None:
+async def _sampler(base: str, token: str, pid: int | None, t0: float, stop: asyncio.Event, out: list,
+                   replicas: list[str], last_metrics: dict[str, dict]) -> None:
     while not stop.is_set():
         row = {"t": round(time.monotonic() - t0, 2), **(await asyncio.to_thread(health, base))}
+        if len(replicas) > 1:  # behind a balancer: each replica's own count (/healthz through it is one replica's)
+            row["replica_sessions"] = [(await asyncio.to_thread(health, u)).get("sessions") for u in replicas]
+            for u in replicas:  # a replica that exits (drained, or killed) is accounted up to its last sample
+                try:
+                    last_metrics[u] = await asyncio.to_thread(read_metrics, u, token)
+                except OSError:
+                    pass
         if pid is not None:
             row.update(await asyncio.to_thread(process_sample, pid))
         out.append(row)
@@ -52,6 +64,23 @@ async def _sampler(base: str, token: str, pid: int | None, t0: float, stop: asyn
             await asyncio.wait_for(stop.wait(), 1.0)
         except asyncio.TimeoutError:
             pass
+
+
+def _read_all_metrics(bases: list[str], token: str, last: dict[str, dict] | None = None) -> dict[str, float]:
+    """Every server's counters, summed by name (replicas behind a balancer count their own sessions); one
+    that has exited counts with its `last` sample (the frames of its last second are missing)."""
+    out: dict[str, float] = {}
+    for base in bases:
+        try:
+            metrics = read_metrics(base, token)
+        except OSError as e:
+            if len(bases) == 1:
+                raise
+            metrics = (last or {}).get(base, {})
+            print(f"soak: {base}/metrics unreadable ({e}): {'its last sample' if metrics else 'nothing'} counts", flush=True)
+        for k, v in metrics.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 async def run_soak(cfg: SoakConfig) -> Path:
@@ -72,11 +101,13 @@ async def run_soak(cfg: SoakConfig) -> Path:
     unknown = [m for m in cfg.mix if m not in CALLERS]
     if unknown:
         raise SystemExit(f"soak: unknown transport(s) {unknown} (known: {', '.join(CALLERS)})")
-    before = await asyncio.to_thread(read_metrics, base, token)
+    counted = [u.rstrip("/") for u in cfg.metrics_urls] or [base]
+    before = await asyncio.to_thread(_read_all_metrics, counted, token)
     t0 = time.monotonic()
     stop = asyncio.Event()
     timeline: list[dict] = []
-    sampler = asyncio.create_task(_sampler(base, token, server.pid if server else None, t0, stop, timeline))
+    last_metrics: dict[str, dict] = {}
+    sampler = asyncio.create_task(_sampler(base, token, server.pid if server else None, t0, stop, timeline, counted, last_metrics))
     until = t0 + cfg.ramp_s + cfg.duration_s
 
     async def one(i: int):
@@ -87,7 +118,7 @@ async def run_soak(cfg: SoakConfig) -> Path:
     print(f"soak: {cfg.sessions} callers ({', '.join(cfg.mix)}) for {cfg.duration_s:.0f} s against {base}", flush=True)
     records = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(cfg.sessions))), cfg.ramp_s + cfg.duration_s + 120)
     await asyncio.sleep(1.5)  # the server finishes closing the sessions before we read its counters
-    after = await asyncio.to_thread(read_metrics, base, token)
+    after = await asyncio.to_thread(_read_all_metrics, counted, token, last_metrics)
     final_health = await asyncio.to_thread(health, base)
     stop.set()
     await sampler
@@ -106,6 +137,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", help="a running server (default: start `duplex serve` on the tiny model)")
     p.add_argument("--token", help="its token")
+    p.add_argument("--metrics-url", action="append", default=[], help="a server whose /metrics account for the frames "
+                   "(repeat for each replica behind a balancer; default: --url)")
     p.add_argument("--max-sessions", type=int, help="server cap for the server this run starts (overload runs)")
     p.add_argument("--capacity", type=int, help="engine.capacity_override for the server this run starts "
                    "(default: the capacity the engine measures at warm-up)")
@@ -122,7 +155,7 @@ def config_from_args(a: argparse.Namespace) -> SoakConfig:
         raise SystemExit("soak: --barge-in must be within 0..1")
     return SoakConfig(sessions=a.sessions, duration_s=a.duration, ramp_s=a.ramp, mix=tuple(m.strip() for m in a.mix.split(",") if m.strip()),
                       barge_in=a.barge_in, seed=a.seed, url=a.url, token=a.token, out_dir=Path(a.out), max_sessions=a.max_sessions,
-                      capacity=a.capacity)
+                      capacity=a.capacity, metrics_urls=tuple(a.metrics_url))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,8 @@ barge-in drops the track's queue and sends `output_audio_buffer.cleared`.
 
 ICE: no STUN/TURN servers are configured (host candidates only; the offer must carry its candidates,
 no trickle). aioice never offers 127.0.0.1; when the gateway listens on loopback we add it, so a
-browser on the same machine connects without any network.
+browser on the same machine connects without any network. Behind a 1:1 NAT (a cloud VM, a Kubernetes
+pod on the host network) `webrtc.public_host` is the address the answer announces.
 
 Every peer connection belongs to one session and is closed when the session ends (hang-up, page
 gone, ICE/DTLS failure, server stop); `live_peer_connections` is exported in /metrics.
@@ -334,7 +335,31 @@ class WebRtcCalls:
                 await mic.account(runner, self.ctx.metrics)
 
         admission.background(run())
-        return HttpReply(HTTPStatus.CREATED, pc.localDescription.sdp, "application/sdp", {"Location": f"{CALLS_PATH}/{session_id}"})
+        answer = pc.localDescription.sdp
+        if (public := self.ctx.config.webrtc.public_host) is not None:
+            answer = announce_host(answer, public)
+        return HttpReply(HTTPStatus.CREATED, answer, "application/sdp", {"Location": f"{CALLS_PATH}/{session_id}"})
+
+
+def announce_host(sdp: str, host: str) -> str:
+    """The answer with `host` (webrtc.public_host) as the address of its host candidates and its c= lines:
+    behind a 1:1 NAT the browser's connectivity checks go to the public address, which forwards the same
+    ports to ours. Candidates that become duplicates (two interfaces, one public address) keep the first."""
+    family = "IP6" if ":" in host else "IP4"
+    out, seen = [], set()
+    for line in sdp.splitlines():
+        if line.startswith("a=candidate:") and " typ host" in line:
+            f = line.split()
+            f[4] = host  # foundation component transport priority ADDRESS port typ host ...
+            key = (f[1], f[2], host, f[5])
+            if key in seen:
+                continue
+            seen.add(key)
+            line = " ".join(f)
+        elif line.startswith("c=IN "):
+            line = f"c=IN {family} {host}"
+        out.append(line)
+    return "\r\n".join(out) + "\r\n"
 
 
 class MicCounts:

@@ -146,3 +146,29 @@ def test_drain_timeout_then_stop_tells_running_sessions_the_server_is_shutting_d
     assert drained is False and running == 1
     assert messages[-1]["type"] == "error" and messages[-1]["error"]["code"] == "server_shutting_down"
     assert close_code is not None
+
+
+def test_webrtc_answer_announces_the_public_host():
+    from rt_helpers import aiortc_offer
+
+    async def main():
+        gw = await _gateway(webrtc={"public_host": "203.0.113.7"})
+        try:
+            req = urllib.request.Request(f"http://127.0.0.1:{gw.port}/v1/realtime/calls", data=(await aiortc_offer()).encode(),
+                                         method="POST", headers={**AUTH, "Content-Type": "application/sdp"})
+            with await asyncio.to_thread(urllib.request.urlopen, req, None, 10) as r:
+                return r.status, r.read().decode()
+        finally:
+            await gw.stop()
+
+    status, answer = asyncio.run(main())
+    candidates = [line.split() for line in answer.splitlines() if line.startswith("a=candidate:") and " typ host" in line]
+    assert status == 201 and candidates
+    assert {c[4] for c in candidates} == {"203.0.113.7"}
+    assert all(line == "c=IN IP4 203.0.113.7" for line in answer.splitlines() if line.startswith("c="))
+
+
+@pytest.mark.parametrize("bad", ["voice.example.com", "1.2.3", ""])
+def test_webrtc_public_host_must_be_an_address(bad):
+    with pytest.raises(ValueError, match=r"webrtc\.public_host"):
+        config_from_dict({"webrtc": {"public_host": bad}})
