@@ -512,7 +512,8 @@ def test_haproxy_accepts_the_loopback_config() -> None:
     path = DEPLOY / "haproxy.cfg"
     if not path.exists():
         pytest.skip("deploy/haproxy.cfg (the loopback balancer) is not in this tree yet")
-    result = subprocess.run(["haproxy", "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
+    # the addresses come from the environment (deploy/haproxy.cfg's header), as realtime/soak/balancer.py sets them
+    result = _haproxy_check(path, DUPLEX_LB_BIND="127.0.0.1:8080", DUPLEX_0="127.0.0.1:8001", DUPLEX_1="127.0.0.1:8002")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
