@@ -44,6 +44,7 @@ class EngineConfig:
     first_chunk_frames: int = 4  # the codec's first chunk: a realtime response is most urgent until it can be decoded
     seed: int = 0
     dtype: str = "float32"
+    data_parallel_size: int = 1  # engine cores (vLLM data parallelism); a request names its rank
     extra_engine_args: dict = field(default_factory=dict)
 
 
@@ -114,6 +115,13 @@ def engine_args(cfg: EngineConfig):
         kwargs["num_gpu_blocks_override"] = cfg.num_kv_blocks
     if cfg.block_size:
         kwargs["block_size"] = cfg.block_size
+    if cfg.data_parallel_size > 1:
+        # vLLM's data parallelism: one engine core per rank, all on this machine (loopback). A dense
+        # model's ranks are independent engines (EngineCoreProc, no DP group, no dummy batches); the
+        # uni executor keeps each rank's worker inside its engine core, as with one engine (vLLM
+        # would pick the mp executor for DP: a worker process more per rank).
+        kwargs.update(data_parallel_size=cfg.data_parallel_size, data_parallel_address="127.0.0.1",
+                      distributed_executor_backend="uni")
     if not current_platform.is_cpu():
         kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
     kwargs.update(cfg.extra_engine_args)
@@ -165,19 +173,30 @@ class AsyncOpusEngine:
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def stream_steps(self, request: AudioRequest, request_id: str | None = None) -> AsyncIterator[StepChunk]:
+    @property
+    def data_parallel_size(self) -> int:
+        """Engine cores (ranks); each request runs on one, `stream_steps(rank=...)`."""
+        return self.cfg.data_parallel_size
+
+    async def stream_steps(self, request: AudioRequest, request_id: str | None = None,
+                           rank: int | None = None) -> AsyncIterator[StepChunk]:
         """Yield the request's generated steps in order until the segment is complete.
 
+        `rank`: the engine core that runs it (data parallelism; None: vLLM's load balancer picks one).
+        A CFG pair's shadow is created in the engine core of its main, so pairs never span ranks.
         Closing the iterator early aborts the request in vLLM.
         """
         rid = request_id or self.new_request_id()
         self._check_request(request, rid)
+        if rank is not None and not 0 <= rank < self.data_parallel_size:
+            raise ValueError(f"request {rid}: rank {rank} is not one of the {self.data_parallel_size} engine ranks")
+        route = {"data_parallel_rank": rank} if rank is not None and self.data_parallel_size > 1 else {}
         prompt = {
             "prompt_token_ids": [int(t) for t in np.asarray(request.prompt)[:, 0]],
             "cache_salt": request.cache_salt or f"req:{rid}",
         }
         num_steps = 0
-        async for out in self._llm.generate(prompt, sampling_params(request), rid):
+        async for out in self._llm.generate(prompt, sampling_params(request), rid, **route):
             comp = out.outputs[0]
             toks = comp.token_ids
             aux = comp.sampling_mask.token_ids if comp.sampling_mask is not None else []
@@ -234,10 +253,10 @@ class AsyncOpusEngine:
                     f"{request.max_steps} steps) exceeds max_num_batched_tokens={budget}"
                 )
 
-    async def generate(self, request: AudioRequest, request_id: str | None = None) -> Generation:
+    async def generate(self, request: AudioRequest, request_id: str | None = None, rank: int | None = None) -> Generation:
         """Run a request to completion."""
         parts, preemptions, cached = [], 0, 0
-        async for chunk in self.stream_steps(request, request_id):
+        async for chunk in self.stream_steps(request, request_id, rank):
             parts.append(chunk.steps)
             preemptions = max(preemptions, chunk.num_preemptions)
             cached = max(cached, chunk.num_cached_tokens)
@@ -250,9 +269,16 @@ class AsyncOpusEngine:
         )
 
     async def engine_threads(self) -> int:
-        """The engine core's torch intra-op threads, as its worker reports them."""
-        (threads,) = await self._llm.collective_rpc("torch_threads")
-        return int(threads)
+        """The engine core's torch intra-op threads, as its worker reports them (rank 0's)."""
+        return (await self.rank_threads())[0]
+
+    async def rank_threads(self) -> list[int]:
+        """Each engine rank's torch intra-op threads. (vLLM's `collective_rpc` answers with rank 0's
+        workers only under data parallelism; its client's `call_utility_all_async` asks every rank.)"""
+        if self.data_parallel_size == 1:
+            return [int(t) for t in await self._llm.collective_rpc("torch_threads")]
+        per_rank = await self._llm.engine_core.call_utility_all_async("collective_rpc", "torch_threads", None, (), {})
+        return [int(workers[0]) for workers in per_rank]
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -20,6 +20,12 @@ smallest bound is the capacity (`limited_by` names it):
   callers are served on time on 2 cores: the engine core leaves much of its core idle between steps.)
 - **gpu codec**: when the codec runs on a GPU, its real-time factor bounds the answering sessions.
 
+Several engine cores (`engine.data_parallel_size` = N, engine/README.md "Several engines"): each rank
+steps its own batch, so each has its own step times and its own engine bound (at most `rank_max`, its
+`max_num_seqs`), and the engine bound is their sum. The cpu, gpu-codec and max_conversations bounds are
+the machine's and the server's, counted once whatever N is. A new conversation goes to the rank with
+the most headroom (`pick_rank`); with N = 1 everything reads as before.
+
 Feedback (`LatenessFeedback`): when admitted sessions miss deadlines (late chunks, client-reported
 underruns), a ceiling drops at once below the sessions then open and recovers one session at a time
 (congestion control's treatment of loss), so interference that none of the measurements sees is
@@ -52,19 +58,29 @@ class CapacityModel:
     fixed_cpu: float = 0.35  # both processes with no session (prior until measured idle)
     other_cpu: float = 0.0  # other processes' CPU rate
     per_session_measured: float | None = None  # the whole CPU cost per session, measured live
+    ranks: int = 1  # engine cores, each stepping its own batch (engine.data_parallel_size)
+    rank_max: int = 0  # conversations one rank can batch (its max_num_seqs); 0: max_conversations
     host_window_s: float = 60.0  # live host figures are over this much of the recent past
     min_session_s: float = 20.0  # session-seconds in the window before the measured cost is trusted
-    step_ms: dict[int, float] = field(default_factory=dict)  # batch size -> averaged step time
+    step_ms: dict[int, float] = field(default_factory=dict)  # rank 0's: batch size -> averaged step time
+    rank_step_ms: list[dict[int, float]] = field(init=False, repr=False)  # every rank's, step_ms first
     _host: deque = field(default_factory=deque, repr=False)  # (t, dt, sessions, ours_cpu, other_cpu)
     _idle_samples: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def observe(self, batch: int, step_ms: float) -> None:
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ValueError(f"ranks must be at least 1, got {self.ranks}")
+        self.rank_step_ms = [self.step_ms] + [{} for _ in range(self.ranks - 1)]
+
+    def observe(self, batch: int, step_ms: float, rank: int = 0) -> None:
+        """A step of `batch` requests took `step_ms` on engine rank `rank`."""
         if batch < 1 or step_ms <= 0:
             return
         with self._lock:
-            old = self.step_ms.get(batch)
-            self.step_ms[batch] = step_ms if old is None else (1 - self.ema) * old + self.ema * step_ms
+            times = self.rank_step_ms[rank]
+            old = times.get(batch)
+            times[batch] = step_ms if old is None else (1 - self.ema) * old + self.ema * step_ms
 
     def observe_host(self, now: float, dt: float, sessions: int, ours_cpu: float, other_cpu: float) -> None:
         """One sample over the `dt` seconds before `now`: `ours_cpu` cores busy in the gateway's process and
@@ -88,9 +104,9 @@ class CapacityModel:
             busy = sum(x[1] * max(0.0, x[3] - self.fixed_cpu) for x in h if x[2] > 0)
             self.per_session_measured = busy / session_s
 
-    def predicted_step_ms(self, batch: int) -> float:
+    def predicted_step_ms(self, batch: int, rank: int = 0) -> float:
         with self._lock:
-            points = sorted(self.step_ms.items())
+            points = sorted(self.rank_step_ms[rank].items())
         if not points:
             return 0.0
         if len(points) == 1:
@@ -111,16 +127,30 @@ class CapacityModel:
             parts += self.codec_rtf * self.answer_share + self.tokenizer_rtf * self.talk_share
         return parts if self.per_session_measured is None else max(self.per_session_measured, parts)
 
-    def bounds(self) -> dict[str, int]:
-        """Each resource's bound on the conversations served on time."""
-        out: dict[str, int] = {}
+    def rank_bound(self, rank: int = 0) -> int:
+        """The conversations engine rank `rank` steps on time: the largest batch whose predicted step fits
+        `margin` of the frame period, at most what one rank holds."""
         budget = self.margin * FRAME_PERIOD_MS
-        engine_cap = 0
-        for b in range(1, self.max_conversations + 1):
-            if self.predicted_step_ms(b) > budget:
+        top = min(self.rank_max or self.max_conversations, self.max_conversations)
+        cap = 0
+        for b in range(1, top + 1):
+            if self.predicted_step_ms(b, rank) > budget:
                 break
-            engine_cap = b
-        out["engine"] = engine_cap
+            cap = b
+        return cap
+
+    def rank_bounds(self) -> list[int]:
+        return [self.rank_bound(r) for r in range(self.ranks)]
+
+    def pick_rank(self, active: list[int]) -> int:
+        """The rank for a new conversation, given each rank's active conversations: the most headroom
+        (its engine bound less its conversations), then the fewest conversations, then the lowest rank."""
+        bounds = self.rank_bounds()
+        return min(range(self.ranks), key=lambda r: (active[r] - bounds[r], active[r], r))
+
+    def bounds(self) -> dict[str, int]:
+        """Each resource's bound on the conversations served on time (the engine's: all ranks together)."""
+        out: dict[str, int] = {"engine": sum(self.rank_bounds())}
         if self.cpu_cores > 0:
             room = self.margin * self.cpu_cores - self.fixed_cpu - self.other_cpu
             per = self.cpu_cost_per_session()

@@ -72,8 +72,9 @@ class EngineServiceConfig:
     """Engine settings (the `engine:` section of the server config)."""
 
     model: str | None = None  # checkpoint dir; None = the cached tiny model
-    max_conversations: int = 16  # hard cap, whatever the measurements say
-    max_num_seqs: int = 32
+    max_conversations: int = 16  # hard cap, whatever the measurements say (all engine ranks together)
+    max_num_seqs: int = 32  # per engine rank
+    data_parallel_size: int = 1  # engine cores (vLLM data parallelism); a conversation stays on one
     dtype: str = "float32"  # bfloat16 for the released models on a GPU
     max_model_len: int | None = None  # None: the backbone's context
     max_num_batched_tokens: int | None = None  # None: vLLM's default
@@ -103,21 +104,24 @@ class EngineServiceConfig:
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
                                              or self.cpu_threads < 1):
             raise ValueError(f"config key 'engine.cpu_threads': expected a positive integer or null, got {self.cpu_threads!r}")
+        if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"config key 'engine.data_parallel_size': expected a positive integer, got {self.data_parallel_size!r}")
 
 
-def engine_cpu_threads(configured: int | None, codec_device: str) -> int:
-    """The CPU engine's OpenMP threads (0: vLLM's default, every core).
+def engine_cpu_threads(configured: int | None, codec_device: str, ranks: int = 1) -> int:
+    """Each CPU engine rank's OpenMP threads (0: vLLM's default, every core).
 
     When the codec and tokenizer share the CPU with the engine, an OpenMP team over every core
     has one thread descheduled whenever they run, and the rest spin at the next barrier: measured
     on 2 cores, 8 conversations at once took 18 ms steps with 2 engine threads and 8.7 ms with one
-    (scripts/bench_streaming.py). So the engine leaves them a core.
+    (scripts/bench_streaming.py). So the engine leaves them a core, and `ranks` engine cores share
+    the others (at least one thread each).
     """
     if configured is not None:
         return configured
     if codec_device != "cpu":
         return 0
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // ranks)
 
 
 @dataclass
@@ -265,9 +269,10 @@ def _sampling_config(options: ConversationOptions) -> SamplingConfig:
 class Conversation:
     """One dialogue. Methods are called from the event loop; see engine/service_api.py."""
 
-    def __init__(self, engine: "Engine", session_id: str, options: ConversationOptions) -> None:
+    def __init__(self, engine: "Engine", session_id: str, options: ConversationOptions, rank: int = 0) -> None:
         self.id = session_id
         self._engine = engine
+        self.rank = rank  # the engine rank (data parallelism) that runs all its requests: its prefix cache is there
         self._options = options
         self._salt = engine.new_salt(session_id)
         self._turns: list[DialogueTurn] = []
@@ -380,7 +385,7 @@ class Conversation:
         user.prefilled_frames, user.drop = user.num_frames, fit.drop
         prompt = stable_user_prefix(self._turns[fit.drop :], user.all_frames(), self._speaker_frames())
         salt = self._salt_at(self.history_dropped + fit.drop)
-        self._prefill_task = asyncio.ensure_future(self._engine.prefill(prompt, salt))
+        self._prefill_task = asyncio.ensure_future(self._engine.prefill(prompt, salt, self.rank))
         self.prefilled_requests += 1
 
     # --- the answer --------------------------------------------------------------------------
@@ -486,7 +491,7 @@ class Conversation:
                 realtime=True,
                 cfg_scale=self._options.cfg_scale,
             )
-            response.pump = asyncio.ensure_future(self._engine.run_response(request, response))
+            response.pump = asyncio.ensure_future(self._engine.run_response(request, response, self.rank))
             await asyncio.wait([response.pump])  # a cancel ends it early; its own failures it delivers
             if not response.pump.cancelled():
                 await response.delivered.wait()  # the codec stage still decodes the last frames
@@ -652,8 +657,9 @@ class Engine:
         self._salt_ids = itertools.count()
         self._ready = False
         self._stopped = False
-        self._capacity = CapacityModel(max_conversations=min(config.max_conversations, config.max_num_seqs),
-                                       margin=config.capacity_margin)
+        ranks = config.data_parallel_size
+        self._capacity = CapacityModel(max_conversations=min(config.max_conversations, ranks * config.max_num_seqs),
+                                       margin=config.capacity_margin, ranks=ranks, rank_max=config.max_num_seqs)
         self._feedback = LatenessFeedback()
         self._host_task: asyncio.Task | None = None
         self._limited_by = ""
@@ -711,14 +717,19 @@ class Engine:
                 kv_cache_gib=cfg.kv_cache_gib,
                 block_size=cfg.kv_block_size,
                 pacing_lead_ms=cfg.pacing_lead_ms,
-                cpu_threads=engine_cpu_threads(cfg.cpu_threads, dac.device.type),
+                cpu_threads=engine_cpu_threads(cfg.cpu_threads, dac.device.type, cfg.data_parallel_size),
                 first_chunk_frames=cfg.first_chunk_frames,
                 enforce_eager=cfg.enforce_eager,
                 seed=cfg.seed,
+                data_parallel_size=cfg.data_parallel_size,
             )
         )
-        threads = await self.llm.engine_threads()
-        log.info("engine core torch threads: %d (engine.cpu_threads); codec and tokenizer on %s", threads, dac.device.type)
+        threads = await self.llm.rank_threads()
+        if len(threads) == 1:
+            log.info("engine core torch threads: %d (engine.cpu_threads); codec and tokenizer on %s", threads[0], dac.device.type)
+        else:
+            log.info("%d engine ranks (engine.data_parallel_size), torch threads each: %s (engine.cpu_threads); codec and "
+                     "tokenizer on %s", len(threads), threads, dac.device.type)
         # the cpu resource: the machine's cores, shared by this process, the engine core and everything else
         self._capacity.cpu_cores = float(len(os.sched_getaffinity(0)))
         self._capacity.codec_on_host = dac.device.type == "cpu"
@@ -781,25 +792,30 @@ class Engine:
         self._capacity.codec_rtf = (time.perf_counter() - t0) / (4 * 16 * FRAME_MS / 1000.0)
 
     async def _warmup(self) -> None:
-        """Measure step time at a few batch sizes (admission control starts from these)."""
+        """Measure step time at a few batch sizes on every engine rank (admission control starts from
+        these). The ranks warm up at once: each measures its steps with the others busy, as in service."""
+        await asyncio.gather(*(self._warmup_rank(rank) for rank in range(self._capacity.ranks)))
+        by_rank = [{b: round(ms, 2) for b, ms in sorted(times.items())} for times in self._capacity.rank_step_ms]
+        log.info("engine warm: step ms by batch %s, codec rtf %.4f, tokenizer rtf %.4f, capacity %d (bounds %s)",
+                 by_rank[0] if len(by_rank) == 1 else by_rank, self._capacity.codec_rtf,
+                 self._capacity.tokenizer_rtf, self._capacity.capacity(), self._capacity.bounds())
+
+    async def _warmup_rank(self, rank: int) -> None:
         from engine.prompt import synthetic_prompt
 
-        top = self._capacity.max_conversations
+        top = min(self._capacity.max_conversations, self.config.max_num_seqs)
         for batch in sorted({1, min(4, top), min(8, top)}):
             reqs = [AudioRequest(synthetic_prompt(i, 10), 24, 24, SamplingConfig(temperature=0.0)) for i in range(batch)]
             step_ms: list[float] = []
 
             async def run(r: AudioRequest) -> None:
-                async for chunk in self.llm.stream_steps(r):
+                async for chunk in self.llm.stream_steps(r, rank=rank):
                     if chunk.engine_batch == batch == chunk.engine_tokens:
                         step_ms.append(chunk.engine_step_ms)
 
             await asyncio.gather(*(run(r) for r in reqs))
             if step_ms:
-                self._capacity.observe(batch, float(np.median(step_ms)))
-        log.info("engine warm: step ms by batch %s, codec rtf %.4f, tokenizer rtf %.4f, capacity %d (bounds %s)",
-                 {b: round(ms, 2) for b, ms in sorted(self._capacity.step_ms.items())}, self._capacity.codec_rtf,
-                 self._capacity.tokenizer_rtf, self._capacity.capacity(), self._capacity.bounds())
+                self._capacity.observe(batch, float(np.median(step_ms)), rank)
 
     # --- conversations -----------------------------------------------------------------------
 
@@ -809,7 +825,9 @@ class Engine:
         if session_id in self._conversations:
             raise ValueError(f"conversation {session_id!r} is already open")
         self._check_room()
-        conv = Conversation(self, session_id, options or ConversationOptions())
+        rank = self._capacity.pick_rank(self._rank_active())
+        self._check_rank_room(rank)
+        conv = Conversation(self, session_id, options or ConversationOptions(), rank)
         self._conversations[session_id] = conv
         return conv
 
@@ -818,8 +836,25 @@ class Engine:
         if active >= cap:
             raise AtCapacity(f"server at capacity: {active} conversations active, {cap} can respond in real time")
 
+    def _check_rank_room(self, rank: int) -> None:
+        """Admission per engine rank (data parallelism): a conversation is served by its rank alone.
+        With one rank the server's check says it all; a fixed capacity_override has no per-rank part."""
+        if self._capacity.ranks == 1 or self.config.capacity_override is not None:
+            return
+        active, cap = self._rank_active()[rank], max(1, self._capacity.rank_bound(rank))
+        if active >= cap:
+            raise AtCapacity(f"engine rank {rank} at capacity: {active} conversations active, {cap} can respond in real time")
+
     def _active(self) -> int:
         return len(self._conversations) - len(self._suspended)
+
+    def _rank_active(self) -> list[int]:
+        """Active (not suspended) conversations on each engine rank."""
+        counts = [0] * self._capacity.ranks
+        for sid, conv in self._conversations.items():
+            if sid not in self._suspended:
+                counts[conv.rank] += 1
+        return counts
 
     def set_suspended(self, session_id: str, suspended: bool) -> None:
         """A conversation's slot freed (its client is away) or taken again (AtCapacity when none is free)."""
@@ -828,6 +863,7 @@ class Engine:
                 self._suspended.add(session_id)
         elif session_id in self._suspended:
             self._check_room()
+            self._check_rank_room(self._conversations[session_id].rank)  # it comes back to its own rank
             self._suspended.discard(session_id)
 
     def capacity(self) -> int:
@@ -837,24 +873,37 @@ class Engine:
         return max(1, self._capacity.capacity(self._feedback.ceiling))
 
     def health(self) -> EngineHealth:
+        # (several engine ranks: load().extra["ranks"], and /healthz's `ranks`, tell them apart)
         if self._ready and self.llm.errored:
             return EngineHealth(ready=False, detail="engine_failed")
         return EngineHealth(ready=self._ready, detail="ready" if self._ready else "stopped" if self._stopped else "starting")
 
     def load(self) -> EngineLoad:
-        responding = sum(1 for c in self._conversations.values() if c.responding)
+        """The whole server's load; with several engine ranks the step time is the slowest rank's at its
+        own batch, the batch size their mean, and `extra["ranks"]` has each rank's figures."""
+        model = self._capacity
+        active = self._rank_active()
+        responding = [0] * model.ranks
+        for conv in self._conversations.values():
+            if conv.responding:
+                responding[conv.rank] += 1
+        extra = {"limited_by": "capacity_override" if self.config.capacity_override is not None
+                 else model.limited_by(self._feedback.ceiling), "bounds": model.bounds(),
+                 "feedback_ceiling": self._feedback.ceiling,
+                 "cpu_per_session": round(model.cpu_cost_per_session(), 4),
+                 "other_cpu": round(model.other_cpu, 3), "fixed_cpu": round(model.fixed_cpu, 3)}
+        step_ms = [model.predicted_step_ms(max(n, 1), r) for r, n in enumerate(responding)]
+        if model.ranks > 1:
+            extra["ranks"] = [{"rank": r, "conversations": active[r], "responding": responding[r], "engine_bound": bound,
+                               "step_ms": round(step_ms[r], 3)} for r, bound in enumerate(model.rank_bounds())]
         return EngineLoad(
             conversations=self._active(),
-            responding=responding,
+            responding=sum(responding),
             capacity=self.capacity(),
-            step_ms=self._capacity.predicted_step_ms(max(responding, 1)),
-            batch_size=float(responding),
+            step_ms=max(step_ms),
+            batch_size=sum(responding) / model.ranks,
             chunks_late=self._codec.stats.late_chunks if self._ready else 0,
-            extra={"limited_by": "capacity_override" if self.config.capacity_override is not None
-                   else self._capacity.limited_by(self._feedback.ceiling), "bounds": self._capacity.bounds(),
-                   "feedback_ceiling": self._feedback.ceiling,
-                   "cpu_per_session": round(self._capacity.cpu_cost_per_session(), 4),
-                   "other_cpu": round(self._capacity.other_cpu, 3), "fixed_cpu": round(self._capacity.fixed_cpu, 3)},
+            extra=extra,
         )
 
     async def shutdown(self) -> None:
@@ -922,18 +971,18 @@ class Engine:
             )
         return min(wanted, fits)
 
-    async def prefill(self, prompt: np.ndarray, salt: str) -> None:
+    async def prefill(self, prompt: np.ndarray, salt: str, rank: int = 0) -> None:
         req = AudioRequest(prompt=prompt, max_frames=1, sampling=SamplingConfig(temperature=0.0),
                            cache_salt=salt, prefill_only=True)
         try:
-            async for _ in self.llm.stream_steps(req):
+            async for _ in self.llm.stream_steps(req, rank=rank):
                 pass
         except Exception:  # a failed prefill only costs time at the end of the turn
             log.exception("incremental prefill failed")
 
-    async def run_response(self, request: AudioRequest, response: Response) -> None:
-        """vLLM steps -> complete frames -> codec stage; PCM chunks come back via the sink.
-        The response's id is the vLLM request id and the codec stream id."""
+    async def run_response(self, request: AudioRequest, response: Response, rank: int = 0) -> None:
+        """vLLM steps (on engine rank `rank`) -> complete frames -> codec stage; PCM chunks come back via
+        the sink. The response's id is the vLLM request id and the codec stream id."""
         loop = asyncio.get_running_loop()
 
         def sink(pcm_chunk) -> None:  # codec-stage thread
@@ -942,10 +991,10 @@ class Engine:
         self._codec.open(response.id, sink)
         assembler = FrameAssembler()
         try:
-            async for step_chunk in self.llm.stream_steps(request, response.id):
+            async for step_chunk in self.llm.stream_steps(request, response.id, rank):
                 response.cached_tokens = max(response.cached_tokens, step_chunk.num_cached_tokens)
                 if step_chunk.engine_tokens == step_chunk.engine_batch:  # pure decode steps only
-                    self._capacity.observe(step_chunk.engine_batch, step_chunk.engine_step_ms)
+                    self._capacity.observe(step_chunk.engine_batch, step_chunk.engine_step_ms, rank)
                 new = [assembler.push(row) for row in step_chunk.steps]
                 frames = np.concatenate(new) if new else np.zeros((0, vocab.NUM_STREAMS), np.int64)
                 if len(frames):

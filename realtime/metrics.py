@@ -44,6 +44,13 @@ class GatewayMetrics:
                                          ["resource"], registry=r)
         self.capacity_bound = Gauge("duplex_capacity_bound", "Each resource's bound on the conversations served on time",
                                     ["resource"], registry=r)
+        # several engine ranks (engine.data_parallel_size): each rank's share, from engine.load().extra["ranks"]
+        self.rank_conversations = Gauge("duplex_engine_rank_conversations", "Engine conversations on each engine rank",
+                                        ["rank"], registry=r)
+        self.rank_bound = Gauge("duplex_engine_rank_bound", "Conversations each engine rank steps in real time",
+                                ["rank"], registry=r)
+        self.rank_step_ms = Gauge("duplex_engine_rank_step_ms", "Each engine rank's predicted step time at its batch",
+                                  ["rank"], registry=r)
 
     def add_stats_delta(self, new: SessionStats, old: SessionStats) -> None:
         """Count what one session did since its last snapshot."""
@@ -70,4 +77,9 @@ class GatewayMetrics:
             for resource, bound in bounds.items():
                 self.capacity_bound.labels(resource).set(bound)
                 self.capacity_limited_by.labels(resource).set(1.0 if resource == limited else 0.0)
+            for rank in load.extra.get("ranks") or ():
+                label = str(rank["rank"])
+                self.rank_conversations.labels(label).set(rank["conversations"])
+                self.rank_bound.labels(label).set(rank["engine_bound"])
+                self.rank_step_ms.labels(label).set(rank["step_ms"])
         return generate_latest(self.registry)

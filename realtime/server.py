@@ -125,6 +125,8 @@ class Gateway:
             load = self.engine.load()
             body.update(capacity=load.capacity, limited_by=load.extra.get("limited_by"), at_capacity=full is not None,
                         bounds=load.extra.get("bounds"), feedback_ceiling=load.extra.get("feedback_ceiling"))
+            if "ranks" in load.extra:  # several engines (engine.data_parallel_size): each one's conversations and bound
+                body["ranks"] = load.extra["ranks"]
             if full is not None:
                 a = self.admission
                 body.update(detail="stopping" if a.closing else "draining" if a.draining else "at_capacity", reason=full,

@@ -92,3 +92,36 @@ def test_lateness_cuts_at_once_and_recovers_slowly() -> None:
     assert fb.ceiling is None  # back to the measured bound
     fb.record(1, 1000.0, chunks=10, late=10)  # one session is always served
     assert fb.ceiling is None
+
+
+def test_engine_ranks_each_bound_their_own_batch_and_share_the_machine() -> None:
+    """engine.data_parallel_size: each rank's step times bound its own conversations (at most its
+    max_num_seqs), the engine bound is their sum, and the cpu bound is the machine's, counted once."""
+    m = CapacityModel(max_conversations=64, margin=0.8, ranks=2, rank_max=32)
+    assert m.rank_bounds() == [32, 32] and m.bounds()["engine"] == 64  # nothing measured: each rank's max_num_seqs
+    m.observe(1, 4.0)
+    m.observe(8, 8.0)  # rank 0: 4 + (b - 1) * 4/7 ms, 22 fit in 16 ms (test_capacity_from_measured_step_times)
+    m.observe(1, 6.0, rank=1)
+    m.observe(8, 13.0, rank=1)  # rank 1 is slower: 6 + (b - 1) ms, 11 fit
+    assert m.step_ms == {1: 4.0, 8: 8.0}  # rank 0's, as with one engine
+    assert m.rank_bounds() == [22, 11] and m.bounds()["engine"] == 33
+    assert m.capacity() == 33 and m.limited_by() == "engine"
+    # the machine's cores bound all ranks together, once
+    m.cpu_cores, m.fixed_cpu, m.session_cpu, m.engine_cpu, m.codec_rtf, m.tokenizer_rtf = 2.0, 0.3, 0.05, 0.05, 0.0, 0.0
+    assert m.bounds()["cpu"] == 13 and m.capacity() == 13 and m.limited_by() == "cpu"  # floor((1.6 - 0.3) / 0.1)
+    # a new conversation goes where the headroom is: rank 0 until it has 11 more than rank 1
+    assert m.pick_rank([0, 0]) == 0 and m.pick_rank([10, 0]) == 0 and m.pick_rank([12, 0]) == 1
+    assert m.pick_rank([11, 0]) == 1  # equal headroom (11 each): the rank with fewer conversations
+    # equal ranks alternate
+    e = CapacityModel(max_conversations=8, ranks=2, rank_max=4)
+    assert [e.pick_rank(a) for a in ([0, 0], [1, 0], [1, 1], [2, 1])] == [0, 1, 0, 1]
+    assert e.bounds()["engine"] == 8 and e.bounds()["max_conversations"] == 8
+
+
+def test_one_rank_reads_as_before() -> None:
+    m = CapacityModel(max_conversations=16)
+    assert m.ranks == 1 and m.rank_step_ms == [m.step_ms] and m.pick_rank([5]) == 0
+    m.observe(1, 4.0)
+    assert m.rank_bounds() == [m.bounds()["engine"]] and m.predicted_step_ms(3) == m.predicted_step_ms(3, 0)
+    with pytest.raises(ValueError):
+        CapacityModel(max_conversations=16, ranks=0)
