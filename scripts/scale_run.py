@@ -67,7 +67,10 @@ async def main_async(a: argparse.Namespace) -> int:
         path = await run_soak(cfg)
         ev.cancel()
         report = json.loads(Path(path).read_text())
-        report["scale_run"] = {"capacities": caps, "exit_codes": [r.proc.poll() for r in replicas],
+        names = {r.base: f"duplex-{i}" for i, r in enumerate(replicas)}
+        frames = {names[u]: c for u, c in (report.get("frames_by_server") or {}).items()}
+        print(f"scale_run: frames counted by each replica {frames}", flush=True)
+        report["scale_run"] = {"capacities": caps, "exit_codes": [r.proc.poll() for r in replicas], "frames_by_replica": frames,
                                "logs": [str(r.log_path) for r in replicas], "haproxy_log": str(lb.log_path)}
         Path(path).write_text(json.dumps(report, indent=1))
         print(f"scale_run: events {report['events']}; replicas' exit codes {report['scale_run']['exit_codes']}; report {path}", flush=True)

@@ -55,6 +55,16 @@ def summarize(records: list[CallerRecord]) -> dict:
     }
 
 
+def frame_counts(before: dict, after: dict) -> dict[str, int]:
+    """One server's frame counters over the run: consumed, dropped by a counted policy, rejected with an error."""
+    def delta(prefix: str) -> int:
+        keys = {k for k in (*before, *after) if k == prefix or k.startswith(prefix + "{")}
+        return int(sum(after.get(k, 0.0) - before.get(k, 0.0) for k in keys))
+
+    return {"consumed": delta("duplex_input_frames_total"), "dropped": delta("duplex_input_frames_dropped_total"),
+            "rejected": delta("duplex_input_frames_rejected_total")}
+
+
 def accounting(records: list[CallerRecord], before: dict, after: dict) -> dict:
     """Every frame a caller sent: consumed by a session, dropped by policy (counted), rejected (an error),
     or sent to a call the server refused (a Twilio caller streams media right after `start`, before the
@@ -107,7 +117,8 @@ def memory_growth(timeline: list[dict], baseline_s: float = 300.0) -> dict | Non
 
 
 def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, timeline: list[dict], t0: float,
-                 final_health: dict, server_exit: int | None, server_log: Path | None) -> Path:
+                 final_health: dict, server_exit: int | None, server_log: Path | None,
+                 frames_by_server: dict[str, dict] | None = None) -> Path:
     by_transport = {}
     for t in sorted({r.transport for r in records}):
         by_transport[t] = summarize([r for r in records if r.transport == t])
@@ -125,6 +136,7 @@ def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, ti
         "overall": overall,
         "by_transport": by_transport,
         "accounting": acct,
+        "frames_by_server": frames_by_server,  # behind a balancer: each replica's own counts (by its /metrics URL)
         "server": {"metrics_delta": {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in sorted(set(after) | set(before))
                                      if k.split("{")[0].endswith("_total") or "_refused" in k},
                    "healthy_after": bool(final_health.get("ready")), "exit_code": server_exit,
@@ -209,7 +221,7 @@ def plot(report: dict, records: list[CallerRecord], t0: float, path: Path) -> Pa
         ax[1, 0].set_title("sessions open on the server")
     ax[1, 0].set_xlabel("s")
     for e in report.get("events", []):  # a kill, a drain: on every time axis
-        for a in (ax[0, 1], ax[1, 0], ax[1, 1]):
+        for a in (ax[0, 1], ax[1, 0], *([ax[1, 1]] if tl and "rss_mib" in tl[0] else [])):
             a.axvline(e["t"], color="red", ls=":", lw=1)
         ax[1, 0].annotate(e["event"], (e["t"], 0), rotation=90, fontsize=7, color="red", va="bottom")
     if tl and "rss_mib" in tl[0]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from realtime.soak.callers import CALLERS, Script
-from realtime.soak.report import write_report
+from realtime.soak.report import frame_counts, write_report
 from realtime.soak.server_process import ServerProcess, health, process_sample, read_metrics
 from realtime.soak.speech import speech_sentences
 
@@ -66,9 +66,11 @@ async def _sampler(base: str, token: str, pid: int | None, t0: float, stop: asyn
             pass
 
 
-def _read_all_metrics(bases: list[str], token: str, last: dict[str, dict] | None = None) -> dict[str, float]:
+def _read_all_metrics(bases: list[str], token: str, last: dict[str, dict] | None = None,
+                      each: dict[str, dict] | None = None) -> dict[str, float]:
     """Every server's counters, summed by name (replicas behind a balancer count their own sessions); one
-    that has exited counts with its `last` sample (the frames of its last second are missing)."""
+    that has exited counts with its `last` sample (the frames of its last second are missing). `each`
+    receives every server's own."""
     out: dict[str, float] = {}
     for base in bases:
         try:
@@ -78,6 +80,8 @@ def _read_all_metrics(bases: list[str], token: str, last: dict[str, dict] | None
                 raise
             metrics = (last or {}).get(base, {})
             print(f"soak: {base}/metrics unreadable ({e}): {'its last sample' if metrics else 'nothing'} counts", flush=True)
+        if each is not None:
+            each[base] = metrics
         for k, v in metrics.items():
             out[k] = out.get(k, 0.0) + v
     return out
@@ -102,7 +106,8 @@ async def run_soak(cfg: SoakConfig) -> Path:
     if unknown:
         raise SystemExit(f"soak: unknown transport(s) {unknown} (known: {', '.join(CALLERS)})")
     counted = [u.rstrip("/") for u in cfg.metrics_urls] or [base]
-    before = await asyncio.to_thread(_read_all_metrics, counted, token)
+    before_each: dict[str, dict] = {}
+    before = await asyncio.to_thread(_read_all_metrics, counted, token, None, before_each)
     t0 = time.monotonic()
     stop = asyncio.Event()
     timeline: list[dict] = []
@@ -118,14 +123,16 @@ async def run_soak(cfg: SoakConfig) -> Path:
     print(f"soak: {cfg.sessions} callers ({', '.join(cfg.mix)}) for {cfg.duration_s:.0f} s against {base}", flush=True)
     records = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(cfg.sessions))), cfg.ramp_s + cfg.duration_s + 120)
     await asyncio.sleep(1.5)  # the server finishes closing the sessions before we read its counters
-    after = await asyncio.to_thread(_read_all_metrics, counted, token, last_metrics)
+    after_each: dict[str, dict] = {}
+    after = await asyncio.to_thread(_read_all_metrics, counted, token, last_metrics, after_each)
     final_health = await asyncio.to_thread(health, base)
     stop.set()
     await sampler
     exit_code = server.stop() if server else None
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    frames_by_server = {u: frame_counts(before_each.get(u, {}), after_each.get(u, {})) for u in counted} if len(counted) > 1 else None
     return write_report(cfg, records, before, after, timeline, t0, final_health, exit_code,
-                        server.log_path if server else None)
+                        server.log_path if server else None, frames_by_server)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
