@@ -2,7 +2,8 @@
 
 OpusLM keeps text in stream 0 at global ids `TEXT_OFFSET + tokenizer id` (ESPnet's
 `token_bias.text_bpe`). The converter copies the tokenizer files into `MODEL_DIR/tokenizer/`
-(engine/convert/espnet.py); the tiny model has none. Text is encoded without the tokenizer's own
+(engine/convert/espnet.py); the tiny model has a byte-level BPE trained on a small text in the repository
+(engine/tiny_text.py). Text is encoded without the tokenizer's own
 special tokens (no BOS/EOS): OpusLM's segment markers are its own ids (engine/vocab.py), added by
 whoever lays out the prompt. Used for system prompts, user/assistant text segments and
 transcript deltas.
@@ -22,7 +23,7 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 class NoTextTokenizerError(FileNotFoundError):
-    """The checkpoint carries no text tokenizer (e.g. the tiny random model)."""
+    """The checkpoint carries no text tokenizer (e.g. one converted without its tokenizer files)."""
 
 
 class TextTokenizer:

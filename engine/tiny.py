@@ -60,12 +60,15 @@ def make_tiny_weights(cfg: checkpoint.OpusLMConfig, seed: int) -> dict[str, torc
 
 
 def make_tiny(out_dir: str | Path, seed: int = 0, cfg: checkpoint.OpusLMConfig = TINY_CONFIG) -> Path:
-    """Write a tiny OpusLM checkpoint (LM + codec + SSL tokenizer) to `out_dir`."""
+    """Write a tiny OpusLM checkpoint (LM + codec + SSL tokenizer + text tokenizer) to `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint.save_config(cfg, out)
     save_file(make_tiny_weights(cfg, seed), str(checkpoint.weights_path(out)))
     _make_tiny_audio_parts(out, seed)
+    from engine.tiny_text import make_tiny_text_tokenizer
+
+    make_tiny_text_tokenizer(out, cfg.text_size)
     (out / "tiny.json").write_text(json.dumps({"seed": seed}) + "\n")
     return out
 
@@ -89,7 +92,7 @@ def _source_fingerprint() -> str:
     """Changes whenever the code that defines the tiny model changes, invalidating the cache."""
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    for rel in ("tiny.py", "checkpoint.py", "vocab.py", "codec/tiny.py", "codec/dac.py", "codec/ssl.py", "codec/config.py"):
+    for rel in ("tiny.py", "tiny_text.py", "tiny_corpus.txt", "text.py", "checkpoint.py", "vocab.py", "codec/tiny.py", "codec/dac.py", "codec/ssl.py", "codec/config.py"):
         p = here / rel
         if p.is_file():
             h.update(p.read_bytes())

@@ -225,6 +225,23 @@ def test_text_tokenizer_written_and_shifted(exp, tmp_path) -> None:
         tok.decode([vocab.TEXT_OFFSET + TEXT_SIZE])
 
 
-def test_tiny_model_has_no_text_tokenizer(tiny_model) -> None:
+def test_tiny_model_has_a_deterministic_byte_level_bpe(tiny_model, tmp_path) -> None:
+    from engine.tiny_text import make_tiny_text_tokenizer
+
+    tok = TextTokenizer.from_dir(tiny_model)
+    text = "Hello, how is the weather tomorrow? Ça va? 日本"  # beyond the corpus: bytes still cover it
+    ids = tok.encode(text)
+    assert len(ids) and tok.is_text(ids).all() and tok.decode(ids) == text
+    assert len(tok.encode("Thank you for calling.")) < len("Thank you for calling.") / 2  # merges learnt
+    # the same file on every build (the cache, CI and a user's machine agree on the ids)
+    shipped = (tiny_model / "tokenizer" / "tokenizer.json").read_bytes()
+    assert make_tiny_text_tokenizer(tmp_path, tok.text_size).read_bytes() == shipped
+
+
+def test_a_model_without_tokenizer_files_says_so(tmp_path, tiny_model) -> None:
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("tokenizer"))
     with pytest.raises(NoTextTokenizerError, match="this model has no text tokenizer"):
-        TextTokenizer.from_dir(tiny_model)
+        TextTokenizer.from_dir(model)
