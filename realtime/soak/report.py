@@ -69,21 +69,15 @@ def accounting(records: list[CallerRecord], before: dict, after: dict) -> dict:
     """Every frame a caller sent: consumed by a session, dropped by policy (counted), rejected (an error),
     or sent to a call the server refused (a Twilio caller streams media right after `start`, before the
     refusal's close reaches it; no session exists to count those)."""
-
-    def delta(prefix: str) -> float:
-        keys = {k for k in (*before, *after) if k == prefix or k.startswith(prefix + "{")}
-        return sum(after.get(k, 0.0) - before.get(k, 0.0) for k in keys)
-
     sent = sum(r.frames_sent for r in records)
     if not any(k.startswith("duplex_input_frames_total") for k in after):
         return {"frames_sent": sent, "frames_unaccounted": None, "note": "the server does not export duplex_input_frames_total"}
-    consumed = delta("duplex_input_frames_total")
-    dropped = delta("duplex_input_frames_dropped_total")
-    rejected = delta("duplex_input_frames_rejected_total")
+    counts = frame_counts(before, after)
+    consumed, dropped, rejected = counts["consumed"], counts["dropped"], counts["rejected"]
     refused = sum(r.frames_sent for r in records if r.refused)
-    return {"frames_sent": sent, "frames_consumed": int(consumed), "frames_dropped_by_policy": int(dropped),
-            "frames_rejected_with_error": int(rejected), "frames_to_refused_calls": refused,
-            "frames_unaccounted": int(sent - consumed - dropped - rejected - refused)}
+    return {"frames_sent": sent, "frames_consumed": consumed, "frames_dropped_by_policy": dropped,
+            "frames_rejected_with_error": rejected, "frames_to_refused_calls": refused,
+            "frames_unaccounted": sent - consumed - dropped - rejected - refused}
 
 
 def predicted_capacity(timeline: list[dict], ramp_s: float) -> dict | None:

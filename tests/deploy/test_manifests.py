@@ -12,7 +12,6 @@ when HAProxy is installed (Debian: apt-get install haproxy).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import re
@@ -28,8 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 FLAVOURS = ("cpu", "cuda")
-# keys the mounted config sets that the server's loader may not know yet (being added in main)
-PENDING_KEYS = (("limits", "drain_timeout_s"),)
 DRAIN_MARGIN_S = 10  # terminationGracePeriodSeconds must exceed the drain timeout by at least this
 CRD_GROUPS = ("monitoring.coreos.com/",)  # Prometheus Operator: no schema in kubernetes-validate
 
@@ -331,8 +328,7 @@ def test_the_pod_command_line_parses_with_duplex_serve() -> None:
     known = {s for a in commands.choices["serve"]._actions for s in a.option_strings}  # noqa: SLF001
     args = container(one(objects("cuda"), "StatefulSet", "duplex"), "duplex")["args"]
     flags = {a.split("=", 1)[0] for a in args if a.startswith("--")}
-    if missing := sorted(flags - known):
-        pytest.skip(f"`duplex serve` does not have {', '.join(missing)} yet (being added in main)")
+    assert flags <= known, f"`duplex serve` has no {', '.join(sorted(flags - known))}"
     expanded = [a.replace("$(POD_NAME)", "duplex-3").replace("$(DUPLEX_TOKEN)", "t0ken") for a in args]
     ns = parser.parse_args(expanded[1:])  # args[0] is the program
     assert ns.command == "serve" and ns.config == "/etc/duplex/server.yaml" and ns.token == "t0ken"
@@ -357,42 +353,15 @@ def test_the_grace_periods_cover_the_drain(flavour: str) -> None:
     assert pod_spec(balancer)["terminationGracePeriodSeconds"] >= sleep + hard_stop + DRAIN_MARGIN_S
 
 
-def _config_file(text: str, tmp_path: Path, drop: tuple = ()) -> Path:
-    data = yaml.safe_load(text)
-    for section, key in drop:
-        data.get(section, {}).pop(key, None)
-    path = tmp_path / "server.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def _unknown_pending_keys() -> list[tuple[str, str]]:
-    from realtime import config
-
-    sections = {f.name: f.type for f in dataclasses.fields(config.ServerConfig)}
-    out = []
-    for section, key in PENDING_KEYS:
-        cls = getattr(config, sections[section]) if isinstance(sections[section], str) else sections[section]
-        if key not in {f.name for f in dataclasses.fields(cls)}:
-            out.append((section, key))
-    return out
-
-
 def test_the_mounted_config_loads_with_the_servers_loader(tmp_path: Path) -> None:
-    """All but keys the loader does not know yet (PENDING_KEYS): the next test loads those."""
     from realtime.config import load_config
 
-    cfg = load_config(_config_file(server_yaml_text(objects("cuda")), tmp_path, drop=tuple(_unknown_pending_keys())))
+    text = server_yaml_text(objects("cuda"))
+    path = tmp_path / "server.yaml"
+    path.write_text(text)
+    cfg = load_config(path)
     assert cfg.server.port == 8000 and cfg.engine.get("model") is None
-
-
-def test_the_mounted_config_loads_as_is(tmp_path: Path) -> None:
-    from realtime.config import load_config
-
-    if missing := _unknown_pending_keys():
-        pytest.skip("realtime.config does not know " + ", ".join(f"{s}.{k}" for s, k in missing) + " yet (being added in main)")
-    cfg = load_config(_config_file(server_yaml_text(objects("cuda")), tmp_path))
-    assert cfg.limits.drain_timeout_s == yaml.safe_load(server_yaml_text(objects("cuda")))["limits"]["drain_timeout_s"]
+    assert cfg.limits.drain_timeout_s == yaml.safe_load(text)["limits"]["drain_timeout_s"]
 
 
 # --- autoscaling and metrics ----------------------------------------------------------------------
@@ -484,8 +453,6 @@ def test_the_balancer_lists_every_replica_the_autoscaler_may_start() -> None:
 
 def test_the_loopback_balancer_uses_the_same_frontend_rules() -> None:
     path = DEPLOY / "haproxy.cfg"
-    if not path.exists():
-        pytest.skip("deploy/haproxy.cfg (the loopback balancer) is not in this tree yet")
     frontend = haproxy_sections(path.read_text())["frontend duplex"]
     assert routing(frontend) == FRONTEND_RULES
 
@@ -510,8 +477,6 @@ def test_haproxy_accepts_the_k8s_config_before_any_replica_resolves(tmp_path: Pa
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed (Debian: apt-get install haproxy)")
 def test_haproxy_accepts_the_loopback_config() -> None:
     path = DEPLOY / "haproxy.cfg"
-    if not path.exists():
-        pytest.skip("deploy/haproxy.cfg (the loopback balancer) is not in this tree yet")
     # the addresses come from the environment (deploy/haproxy.cfg's header), as realtime/soak/balancer.py sets them
     result = _haproxy_check(path, DUPLEX_LB_BIND="127.0.0.1:8080", DUPLEX_0="127.0.0.1:8001", DUPLEX_1="127.0.0.1:8002")
     assert result.returncode == 0, result.stdout + result.stderr

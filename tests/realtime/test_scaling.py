@@ -37,12 +37,10 @@ def _get(url: str) -> tuple[int, dict]:
 
 def _frames_accounted(base: str, token: str) -> dict[str, int]:
     """The replica's frame counters: consumed, dropped by a counted policy, rejected with an error."""
+    from realtime.soak.report import frame_counts
     from realtime.soak.server_process import read_metrics
 
-    m = read_metrics(base, token)
-    total = lambda name: int(sum(v for k, v in m.items() if k == name or k.startswith(name + "{")))
-    return {"consumed": total("duplex_input_frames_total"), "dropped": total("duplex_input_frames_dropped_total"),
-            "rejected": total("duplex_input_frames_rejected_total")}
+    return frame_counts({}, read_metrics(base, token))
 
 
 def _frames_consumed(base: str, token: str) -> int:
@@ -56,13 +54,10 @@ class Call:
         self.ws, self.created = ws, created
         self.token = created.get("resume_token")
         self.replica = self.token.split(".")[1] if self.token else None
-        self.sent = 0
-        self.received = 1
 
     async def talk(self, frames: int) -> None:
         for _ in range(frames):
             await self.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": FRAME}))
-            self.sent += 1
             await asyncio.sleep(0.02)
 
 
