@@ -18,6 +18,12 @@ The gateway (realtime/) imports this module and nothing else from engine/ at imp
     conv.suspend(); conv.resume()                        # client away: its slot is free, its history kept
     await conv.close()
     engine.health(), engine.load(), engine.report_delivery(chunks, late, underruns)   # admission control
+
+One-shot requests beside the conversations (the OpenAI-compatible /v1/audio endpoints), on the same
+engine; realtime answers keep priority in its scheduler:
+
+    async for delta in engine.transcribe(pcm_16k, TranscriptionOptions()): ...   # ASR: text deltas
+    async for chunk in engine.synthesize("Hello.", SpeechOptions()): ...         # TTS: AudioChunks
 """
 
 from __future__ import annotations
@@ -99,6 +105,36 @@ class AudioChunk:
     deadline: float  # time.monotonic() by which it must be playing for gap-free playback
     text_delta: str = ""  # assistant text the model emitted with this chunk, if any
     is_last: bool = False
+
+
+class NoTextModel(EngineError):
+    """The model has no text tokenizer, so it can neither read nor write text (ASR, TTS, transcripts)."""
+
+    code = "model_has_no_text"
+
+
+@dataclass(frozen=True)
+class TranscriptionOptions:
+    """One ASR request (`Engine.transcribe`). Greedy by default, as transcription should be."""
+
+    max_tokens: int = 448  # text tokens at most (Whisper's decoder limit; an answer past it is cut)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    prompt: str = ""  # reserved: OpusLM's ASR task takes no text prompt (the gateway refuses a non-empty one)
+
+
+@dataclass(frozen=True)
+class SpeechOptions:
+    """One TTS request (`Engine.synthesize`)."""
+
+    speaker_prompt_pcm: np.ndarray | None = None  # 16 kHz int16: the voice to imitate, if any
+    temperature: float = 0.8
+    top_k: int = 30
+    top_p: float = 1.0
+    seed: int | None = None
+    max_ms: float = 30_000.0  # audio cap
 
 
 class Role(IntEnum):
@@ -226,5 +262,15 @@ class EngineLike(Protocol):
         """What the gateway's sessions got since its last report: `chunks` audio chunks from the engine,
         `late_chunks` of them so late that the client's lead ran out (a gap it hears), `underruns`
         clients reported. Admission control lowers its capacity when too many were late."""
+
+    def transcribe(self, pcm_16k: np.ndarray, options: TranscriptionOptions | None = None) -> AsyncIterator[str]:
+        """The text of `pcm_16k` (mono int16, 16 kHz) as the model writes it: deltas, in order, which
+        concatenate to the transcript. Raises `AtCapacity` when the engine has no room, `NoTextModel`
+        when the model has no text tokenizer, `EngineError` when the engine fails it. Closing the
+        iterator early cancels the request."""
+
+    def synthesize(self, text: str, options: SpeechOptions | None = None) -> AsyncIterator[AudioChunk]:
+        """`text` spoken: AudioChunks (16 kHz int16) in order as they are decoded, the last with
+        `is_last`. Raises as `transcribe`; ValueError for empty text. Closing early cancels it."""
 
     async def shutdown(self) -> None: ...
