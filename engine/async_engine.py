@@ -19,7 +19,6 @@ import numpy as np
 
 from engine import guidance, vocab
 from engine.checkpoint import load_config
-from engine.delay import segment_frames
 from engine.request import AudioRequest, Generation
 from engine.vllm_plugin import SETTINGS_KEY, urgent_tokens
 
@@ -261,12 +260,7 @@ class AsyncOpusEngine:
             preemptions = max(preemptions, chunk.num_preemptions)
             cached = max(cached, chunk.num_cached_tokens)
         steps = np.concatenate(parts).astype(np.int64) if parts else np.empty((0, vocab.NUM_STREAMS), np.int64)
-        return Generation(
-            steps=steps,
-            frames=segment_frames(steps),
-            num_preemptions=preemptions,
-            num_cached_tokens=cached,
-        )
+        return Generation.from_steps(steps, request.start_modality, num_preemptions=preemptions, num_cached_tokens=cached)
 
     async def engine_threads(self) -> int:
         """The engine core's torch intra-op threads, as its worker reports them (rank 0's)."""

@@ -4,8 +4,9 @@ Since lm_head is linear, lm_head(h + e_k) = lm_head(h) + lm_head(e_k): the per-s
 adds a constant bias over the stream's own ids. So one projection of h with a bias precomputed
 once from the weights (`stream_bias`) gives every stream's logits -- one GEMM for 9 streams, the
 bias fused into it, and the vLLM model uses vLLM's own GEMM kernel for it. Only lm_head's audio
-rows [0, AUDIO_END) are projected: this engine samples no text, and for the released models,
-whose text vocabulary is ten times the audio one, the text rows would be most of the head's cost.
+rows [0, AUDIO_END) are projected for audio rows; text-phase rows project the text rows instead
+(below). For the released models, whose text vocabulary is several times the audio one, projecting
+both for every row would make the text rows most of the head's cost.
 
 Shared by the vLLM model and the reference so both apply the same masks.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine import vocab
+from engine import modality, vocab
 from engine.delay import Stream0Rule
 
 _FORCED_TOKEN = {
@@ -84,3 +85,34 @@ _CODEBOOK_BASE = vocab.DAC_OFFSET + vocab.CODEBOOK_SIZE * np.arange(vocab.NUM_CO
 def aux_ids(codes: np.ndarray, active: np.ndarray) -> np.ndarray:
     """Local codes [rows, 8] -> global ids, PAD where the stream is not active this step."""
     return np.where(active, np.asarray(codes, dtype=np.int64) + _CODEBOOK_BASE, vocab.PAD)
+
+
+# --- the text phase (engine/modality.py) ---------------------------------------------------------
+# A text-phase row samples stream 0 over [EOS, switch marker, text ids...]; only those rows pay for
+# lm_head's text rows, and they skip the audio rows (and streams 1-8, which are PAD in text).
+
+
+@torch.no_grad()
+def text_bias(lm_head: torch.Tensor, head_emb: torch.Tensor, text_end: int) -> torch.Tensor:
+    """[2 + text_size] float32: stream 0's bias (lm_head(head_emb[0])) over the text candidates."""
+    w = lm_head[list(modality.MARKER_IDS)].float(), lm_head[vocab.TEXT_OFFSET : text_end].float()
+    e = head_emb[0].float()
+    return torch.cat([w[0] @ e, w[1] @ e])
+
+
+def text_logits(h: torch.Tensor, lm_head: torch.Tensor, bias: torch.Tensor, text_end: int) -> torch.Tensor:
+    """Stream 0's logits [rows, 2 + text_size] float32 over the text candidates (modality.py's columns).
+
+    (The vLLM model computes the text block with vLLM's GEMM kernel.)"""
+    markers = torch.nn.functional.linear(h, lm_head[list(modality.MARKER_IDS)], bias[: modality.TEXT_COLUMN0].to(lm_head.dtype))
+    text = torch.nn.functional.linear(h, lm_head[vocab.TEXT_OFFSET : text_end], bias[modality.TEXT_COLUMN0 :].to(lm_head.dtype))
+    return torch.cat([markers, text], dim=-1).float()
+
+
+def mask_text_logits_(logits: torch.Tensor, rules: np.ndarray, switch: np.ndarray) -> torch.Tensor:
+    """-inf over the columns each row may not sample (modality.candidate_mask), in place; a forced row
+    keeps one finite entry, so any sampler picks it."""
+    allowed = torch.from_numpy(modality.candidate_mask(rules, switch, logits.shape[-1])).to(logits.device)
+    forced = torch.from_numpy(np.asarray(rules) >= modality.TextRule.FORCE_EOS).to(logits.device)
+    logits.masked_fill_(~allowed, float("-inf"))
+    return logits.masked_fill_(forced[:, None] & allowed, 0.0)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engine import checkpoint, delay, guidance, heads, vocab
+from engine import checkpoint, delay, guidance, heads, modality, vocab
 from engine.request import AudioRequest, Generation
 from engine.sampling import sample_rows
 
@@ -48,6 +48,7 @@ class ReferenceOpusLM:
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         self._inv_freq = inv_freq.to(self.device)
         self._head_bias = heads.stream_bias(self.w["lm_head.weight"], self.w["head_emb.weight"])
+        self._text_bias: torch.Tensor | None = None  # built on the first text step
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "ReferenceOpusLM":
@@ -134,11 +135,13 @@ class ReferenceOpusLM:
 
     @torch.inference_mode()
     def generate(self, request: AudioRequest) -> Generation:
-        """Generate one audio segment, one step per forward, exactly as the engine does.
+        """Generate one request, one step per forward, exactly as the engine does.
 
         With `cfg_scale` != 1 each step runs two forwards -- the prompt's and the unconditional
-        prompt's (engine/guidance.py), each with its own KV cache -- merges their projections, samples
-        once, and feeds the same step to both.
+        prompt's (engine/guidance.py), each with its own KV cache -- merges their projections (in the
+        audio phase; a text phase reads the conditional row alone), samples once, and feeds the same
+        step to both. A text-first request samples stream 0 over the text candidates until it emits
+        EOS or switches to audio (engine/modality.py); the audio segment then starts as at its opener.
         """
         cfg_ = self.cfg
         prompt = np.asarray(request.prompt, dtype=np.int64)
@@ -150,35 +153,55 @@ class ReferenceOpusLM:
         hs = [self.forward(self.embed(p), 0, c)[-1:] for p, c in zip(prompts, caches)]
         scale = torch.tensor([request.cfg_scale], device=self.device)
         lm_head = self.w["lm_head.weight"]
-        samp = request.sampling
+        samp, text_samp = request.sampling, request.text_config
         gen0 = None
         if samp.seed is not None and not samp.greedy:
             gen0 = torch.Generator(device=self.device).manual_seed(samp.seed)
         gen_aux = samp.aux_generator(self.device)
+        gen_text = text_samp.text_generator(self.device)
 
+        audio_start = modality.NOT_SWITCHED if request.text_first else 0
         eos_step, steps = delay.NO_EOS, []
         for s in range(request.max_steps):
-            rule = delay.stream0_rules(
-                np.array([s]), np.array([eos_step]), request.min_frames, request.max_frames
-            )
-            # the heads are linear in h, so merging every stream's logits = projecting the merged
-            # hidden state (the vLLM model does the same; engine/guidance.py)
-            h = guidance.merge(hs[0], hs[1], scale) if guided else hs[0]
-            logits = heads.project(h, lm_head, self._head_bias)
-            codes = sample_rows(heads.aux_logits(logits), [samp], [gen_aux])
-            logits0 = heads.stream0_logits_(logits, rule)
-            active = delay.aux_active(np.array([s]), np.array([eos_step]))
-            tok0 = int(sample_rows(logits0, [samp], [gen0])[0])
-            step = np.concatenate([[tok0], heads.aux_ids(codes.cpu().numpy(), active)[0]])
+            if audio_start == modality.NOT_SWITCHED:
+                tok0 = self._text_token(hs[0], s, request, text_samp, gen_text)
+                step = np.array([tok0] + [vocab.PAD] * vocab.NUM_CODEBOOKS, dtype=np.int64)
+                if tok0 == modality.SWITCH_TOKEN:
+                    audio_start = s + 1
+            else:
+                a, eos_a = modality.audio_steps(np.array([s]), np.array([audio_start]), np.array([eos_step]))
+                rule = delay.stream0_rules(a, eos_a, request.min_frames, request.max_frames)
+                # the heads are linear in h, so merging every stream's logits = projecting the merged
+                # hidden state (the vLLM model does the same; engine/guidance.py)
+                h = guidance.merge(hs[0], hs[1], scale) if guided else hs[0]
+                logits = heads.project(h, lm_head, self._head_bias)
+                codes = sample_rows(heads.aux_logits(logits), [samp], [gen_aux])
+                logits0 = heads.stream0_logits_(logits, rule)
+                active = delay.aux_active(a, eos_a)
+                tok0 = int(sample_rows(logits0, [samp], [gen0])[0])
+                step = np.concatenate([[tok0], heads.aux_ids(codes.cpu().numpy(), active)[0]])
+                if tok0 == vocab.SOS_EOS and eos_step == delay.NO_EOS:
+                    eos_step = s
             steps.append(step)
-            if tok0 == vocab.SOS_EOS and eos_step == delay.NO_EOS:
-                eos_step = s
             if tok0 == vocab.ENGINE_STOP:
                 break
             x = self.embed(step[None])
             hs = [self.forward(x, prompt.shape[0] + s, c) for c in caches]
-        steps_arr = np.stack(steps).astype(np.int64)
-        return Generation(steps=steps_arr, frames=frames_from_steps(steps_arr))
+        return Generation.from_steps(np.stack(steps).astype(np.int64), request.start_modality)
+
+    def _text_token(self, h: torch.Tensor, step: int, request: AudioRequest, samp, gen) -> int:
+        """Stream 0's token at text-phase step `step`: a text id, the switch marker or ENGINE_STOP."""
+        if self._text_bias is None:
+            self._text_bias = heads.text_bias(self.w["lm_head.weight"], self.w["head_emb.weight"], self.text_end)
+        rule = modality.text_rules(np.array([step]), request.min_text_tokens, request.max_text_tokens,
+                                   request.switch_to_audio)
+        logits = heads.text_logits(h, self.w["lm_head.weight"], self._text_bias, self.text_end)
+        heads.mask_text_logits_(logits, rule, np.array([request.switch_to_audio]))
+        return int(modality.column_token(sample_rows(logits, [samp], [gen]).cpu().numpy())[0])
+
+    @property
+    def text_end(self) -> int:
+        return vocab.TEXT_OFFSET + self.cfg.text_size
 
 
 class ReferenceBackbone(torch.nn.Module):
@@ -202,10 +225,3 @@ class ReferenceBackbone(torch.nn.Module):
     def forward(self, input_ids, positions: torch.Tensor, intermediate_tensors, inputs_embeds: torch.Tensor) -> torch.Tensor:
         return self.ref.forward(inputs_embeds, 0, _KVCache(self.ref.cfg.num_hidden_layers))
 
-
-def frames_from_steps(steps: np.ndarray) -> np.ndarray:
-    """Generated steps [S, 9] -> the segment's audio frames [F, 9] (F = the EOS step)."""
-    assembler = delay.FrameAssembler()
-    for row in steps:
-        assembler.push(row)
-    return assembler.frames()

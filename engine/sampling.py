@@ -15,6 +15,8 @@ import torch
 _SAMPLING_EPS = 1e-5
 # Offsets the aux generator's seed from the one vLLM gives stream 0, so the two draw differently.
 _AUX_SEED_SALT = 0x0A0C_5EED
+# The text phase's stream-0 generator (the engine samples text itself, engine/modality.py).
+_TEXT_SEED_SALT = 0x7E47_5EED
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,15 @@ class SamplingConfig:
         return self.temperature < _SAMPLING_EPS
 
     def aux_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        return self._generator(_AUX_SEED_SALT, device)
+
+    def text_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        return self._generator(_TEXT_SEED_SALT, device)
+
+    def _generator(self, salt: int, device: torch.device | str) -> torch.Generator | None:
         if self.seed is None or self.greedy:
             return None
-        return torch.Generator(device=device).manual_seed((self.seed + _AUX_SEED_SALT) % (2**63))
+        return torch.Generator(device=device).manual_seed((self.seed + salt) % (2**63))
 
 
 GREEDY = SamplingConfig(temperature=0.0)

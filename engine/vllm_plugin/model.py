@@ -38,13 +38,16 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.platforms import current_platform
 
-from engine import guidance, heads
+from engine import guidance, heads, modality, vocab
 from engine.checkpoint import NUM_HEAD_EMB
 from engine.request import WorkerRequestSpec
 from engine.sampling import SamplingConfig, sample_rows
 from engine.vllm_plugin.aux_inputs import AuxInputs, opus_forward
 from engine.vllm_plugin.backbones import make_backbone
 from engine.vllm_plugin.stream_state import NO_PAIRS, CfgPairs, StepBatch, StreamStateStore
+
+
+NO_TEXT = (np.empty(0, np.int64), np.empty(0, np.int64))
 
 
 @dataclass
@@ -75,6 +78,8 @@ class OpusLMForCausalLM(nn.Module):
         )
         self.streams = StreamStateStore()
         self._audio_head: _AudioHead | None = None  # built once the weights are loaded
+        self._text_head: tuple[_AudioHead, _AudioHead] | None = None  # built on the first text step
+        self.step_text: tuple[np.ndarray, np.ndarray] = NO_TEXT  # this step's text rows and tokens (runner)
         self._batch: StepBatch | None = None  # set by the runner for one forward
         self.step_pairs: CfgPairs = NO_PAIRS  # this step's CFG pairs (the runner copies stream 0)
 
@@ -127,26 +132,91 @@ class OpusLMForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch, self._batch = self._batch, None
+        self.step_text = NO_TEXT
         if batch is None or hidden_states.shape[0] != batch.num_rows:
             # profiling / dummy runs: plain logits, nothing recorded
             return self.lm_head.quant_method.apply(self.lm_head, hidden_states)[:, : self.vocab_size].float()
         plan = self.streams.plan(batch)
         pairs = self.step_pairs = self.streams.cfg_pairs(batch, plan)
-        rows_of, rules = None, plan.rules  # rows_of: batch row -> row of `projected`
+        rows_of, rules, text = None, plan.rules, plan.text  # rows_of: batch row -> row of `hidden_states`
         if len(pairs):
-            hidden_states, kept, rows_of = self._merge_pairs(hidden_states, pairs)
+            # CFG merges in the audio phase only (as the espnet/vllm fork): a text-phase main keeps its
+            # own hidden state, its shadow's is dropped all the same
+            merge = None if text is None else ~text[pairs.main_rows]
+            hidden_states, kept, rows_of = self._merge_pairs(hidden_states, pairs, merge)
             rules = plan.rules[kept]
-        projected = self._project(hidden_states).float()
+            text = None if text is None else text[kept]
         commit = np.nonzero(plan.commit)[0]
-        if len(commit):
-            self.streams.commit(batch, plan, self._sample_aux(batch, plan, projected, commit, pairs, rows_of))
+        if text is None:  # no row writes text: every row is projected over the audio ids alone
+            projected = self._project(hidden_states).float()
+            if len(commit):
+                self.streams.commit(batch, plan, self._sample_aux(batch, plan, projected, commit, pairs, rows_of))
+            else:
+                self.streams.step_aux = {}
+            logits0 = heads.stream0_logits_(projected, rules)
         else:
-            self.streams.step_aux = {}
-        logits0 = heads.stream0_logits_(projected, rules)
+            logits0 = self._mixed_step(batch, plan, hidden_states, rules, text, commit, pairs, rows_of)
         if rows_of is None:
             return logits0.contiguous()  # vLLM's CPU sampling kernels read rows densely
         # one row per batch row again: a shadow's is its main's (the runner overwrites its sample)
         return logits0.index_select(0, torch.from_numpy(rows_of).to(logits0.device))
+
+    def _mixed_step(self, batch: StepBatch, plan, hidden: torch.Tensor, rules: np.ndarray, text: np.ndarray,
+                    commit: np.ndarray, pairs: CfgPairs, rows_of: np.ndarray | None) -> torch.Tensor:
+        """A step with text-phase rows: audio rows are projected over the audio ids and sampled as
+        always; text rows over the text candidates alone, and their stream 0 is sampled here with the
+        request's text sampling (`step_text`, which the runner writes over vLLM's sample: their
+        logits row is a placeholder). Returns stream 0's logits, one row per row of `hidden`."""
+        dev = hidden.device
+        audio_rows, text_rows = np.nonzero(~text)[0], np.nonzero(text)[0]
+        logits0 = torch.full((hidden.shape[0], heads.STREAM0_WIDTH), float("-inf"), device=dev)
+        logits0[:, vocab.PAD] = 0.0  # the text rows' placeholder
+        of_row = np.arange(hidden.shape[0]) if rows_of is None else rows_of  # batch row -> row of `hidden`
+        aux = np.full((len(commit), vocab.NUM_CODEBOOKS), vocab.PAD, dtype=np.int64)
+        if len(audio_rows):
+            projected = self._project(hidden.index_select(0, torch.from_numpy(audio_rows).to(dev))).float()
+            to_projected = np.full(hidden.shape[0], -1, dtype=np.int64)
+            to_projected[audio_rows] = np.arange(len(audio_rows))
+            audio_commit = ~text[of_row[commit]]
+            if audio_commit.any():
+                aux[audio_commit] = self._sample_aux(batch, plan, projected, commit[audio_commit], pairs,
+                                                     to_projected[of_row])
+            logits0[torch.from_numpy(audio_rows).to(dev)] = heads.stream0_logits_(projected, rules[audio_rows])
+        # text rows: the committing mains sample (a shadow takes its main's token in the runner)
+        shadows = pairs.shadow_rows if len(pairs) else np.empty(0, np.int64)
+        writers = commit[text[of_row[commit]] & ~np.isin(commit, shadows)]
+        if len(writers):
+            if self._text_head is None:
+                self._text_head = self._make_text_head()
+            h = hidden.index_select(0, torch.from_numpy(of_row[writers]).to(dev))
+            logits = self._text_logits(h)
+            heads.mask_text_logits_(logits, plan.text_rules[writers], plan.switch[writers])
+            configs, gens = self.streams.text_sampling_rows(batch, writers)
+            self.step_text = (writers, modality.column_token(sample_rows(logits, configs, gens).cpu().numpy()))
+        if len(commit):
+            self.streams.commit(batch, plan, aux)
+        else:
+            self.streams.step_aux = {}
+        return logits0
+
+    def _text_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """heads.text_logits, with vLLM's GEMM kernel for the text block."""
+        head, markers = self._text_head
+        marker_logits = torch.nn.functional.linear(h, markers.weight, markers.bias)
+        text = dispatch_unquantized_gemm()(head, h, head.weight, head.bias)
+        return torch.cat([marker_logits, text], dim=-1).float()
+
+    def _make_text_head(self) -> tuple["_AudioHead", "_AudioHead"]:
+        """lm_head's text rows (a view) with stream 0's bias, prepacked like the audio head; and the
+        two marker rows (EOS, the switch marker) with theirs."""
+        text_end = vocab.TEXT_OFFSET + int(self.config.opuslm["text_size"])
+        weight = self.lm_head.weight.data[vocab.TEXT_OFFSET : text_end]
+        bias = heads.text_bias(self.lm_head.weight, self.head_emb.weight, text_end).to(weight.dtype)
+        head = _AudioHead(weight, bias[modality.TEXT_COLUMN0 :].contiguous())
+        if current_platform.is_cpu():
+            dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+        markers = _AudioHead(self.lm_head.weight.data[list(modality.MARKER_IDS)], bias[: modality.TEXT_COLUMN0].contiguous())
+        return head, markers
 
     def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Every stream's logits [rows, AUDIO_END] (heads.project), with vLLM's GEMM kernel."""
@@ -168,22 +238,25 @@ class OpusLMForCausalLM(nn.Module):
         return head
 
     @staticmethod
-    def _merge_pairs(hidden: torch.Tensor, pairs: CfgPairs) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    def _merge_pairs(hidden: torch.Tensor, pairs: CfgPairs, merge: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
         """CFG merge, for all 9 streams at once, in hidden space.
 
         Every stream's logits are lm_head(h) + a constant bias (heads.py), linear in h, so
         guidance.merge of the logits equals lm_head(guidance.merge(h_cond, h_uncond)) + bias: the merge
         costs H per pair instead of V, and the shadow rows, which sample nothing themselves
         (they copy their main's tokens: streams 1-8 in `_sample_aux`, stream 0 in the runner),
-        are not projected at all. Returns (hidden of the projected rows, their batch rows,
+        are not projected at all. `merge` [pairs] bool: which pairs merge (None: all); the others keep
+        their main's own state. Returns (hidden of the projected rows, their batch rows,
         batch row -> projected row, a shadow mapped to its main's).
         """
         dev = hidden.device
-        main_t = torch.from_numpy(pairs.main_rows).to(dev)
+        mains, shadows, scales = pairs.main_rows, pairs.shadow_rows, pairs.scales
+        if merge is not None:
+            mains, shadows, scales = mains[merge], shadows[merge], scales[merge]
         merged = guidance.merge(
-            hidden.index_select(0, main_t).float(),
-            hidden.index_select(0, torch.from_numpy(pairs.shadow_rows).to(dev)).float(),
-            torch.from_numpy(pairs.scales).to(dev),
+            hidden.index_select(0, torch.from_numpy(mains).to(dev)).float(),
+            hidden.index_select(0, torch.from_numpy(shadows).to(dev)).float(),
+            torch.from_numpy(scales).to(dev),
         ).to(hidden.dtype)
         keep = np.ones(hidden.shape[0], dtype=bool)
         keep[pairs.shadow_rows] = False
@@ -192,7 +265,7 @@ class OpusLMForCausalLM(nn.Module):
         rows_of = compact.copy()
         rows_of[pairs.shadow_rows] = compact[pairs.main_rows]
         out = hidden.index_select(0, torch.from_numpy(kept).to(dev))
-        out.index_copy_(0, torch.from_numpy(compact[pairs.main_rows]).to(dev), merged)
+        out.index_copy_(0, torch.from_numpy(compact[mains]).to(dev), merged)
         return out, kept, rows_of
 
     def _sample_aux(self, batch: StepBatch, plan, projected: torch.Tensor, rows: np.ndarray, pairs: CfgPairs,

@@ -6,8 +6,9 @@ Hooks into vLLM's V1 model runner (all listed in engine/README.md):
                    write their aux ids into the model's persistent buffer (before the forward,
                    outside any CUDA graph: aux_inputs.py)
   _sample          before vLLM's sampler: top-k counted against stream 0's narrow logits; after
-                   it: a CFG shadow row takes its main's stream-0 token (before vLLM books it
-                   as the row's next input)
+                   it: a text-phase row takes the token the model sampled for it, and a CFG
+                   shadow row its main's stream-0 token (before vLLM books either as the row's
+                   next input)
   sample_tokens    after vLLM sampled stream 0: record it, and attach each row's 8 aux ids to
                    ModelRunnerOutput.sampling_masks, which the scheduler slices per request and
                    vLLM's output path concatenates per token (lossless for a lagging consumer)
@@ -73,7 +74,12 @@ class OpusRunnerMixin:
             # without top-k by k == vocab size, which must read k == width
             md.top_k = md.top_k.clamp(max=logits.shape[-1])
         out = super()._sample(logits, *args, **kwargs)
-        pairs = self.get_model().step_pairs
+        model = self.get_model()
+        text_rows, text_tokens = model.step_text
+        if len(text_rows):  # a text-phase row's stream 0 was sampled by the model (its logits: a placeholder)
+            tok = out.sampled_token_ids
+            tok[torch.from_numpy(text_rows).to(tok.device), 0] = torch.from_numpy(text_tokens).to(tok.device, tok.dtype)
+        pairs = model.step_pairs
         if len(pairs):
             tok = out.sampled_token_ids
             main = torch.from_numpy(pairs.main_rows).to(tok.device)

@@ -72,9 +72,11 @@ class OpusScheduler(CfgPairsMixin, Scheduler):
         return self._realtime[rid]
 
     def slack_s(self, request, now: float) -> float:
-        """Seconds of generated audio ahead of playback; 0 for offline requests."""
+        """Seconds of generated audio ahead of playback. An offline request (a one-shot ASR or TTS, a
+        benchmark) counts as `pacing_lead_s` ahead: never held, but served after every realtime
+        answer that is not ahead by more, and the first preempted when the KV cache runs short."""
         if not self._is_realtime(request):
-            return 0.0
+            return self.pacing_lead_s
         started = self._first_frame_at.get(request.request_id)
         if started is None or request.num_output_tokens < self.urgent_tokens:
             return -math.inf

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine import delay, guidance, vocab
+from engine import delay, guidance, modality, vocab
 from engine.request import WorkerRequestSpec
 from engine.sampling import SamplingConfig
 
@@ -36,6 +36,15 @@ class RequestStreams:
     eos_step: int = delay.NO_EOS
     cfg_scale: float = 1.0  # CFG weight of a main request (1: no guidance)
     shadow_of: str | None = None  # a CFG shadow: its main's id (it samples nothing itself)
+    # the text phase (engine/modality.py): the step the audio segment starts at (NOT_SWITCHED while a
+    # text-first request writes text), the text's EOS block and cap, whether it may switch to audio,
+    # and stream 0's text sampling (the engine draws text itself)
+    audio_start: int = 0
+    min_text: int = 0
+    max_text: int = 0
+    switch: bool = False
+    text_sampling: SamplingConfig | None = None
+    text_generator: torch.Generator | None = None
 
     def append(self, ids: np.ndarray) -> None:
         if self.num_positions == self.aux.shape[0]:
@@ -72,9 +81,12 @@ class StepBatch:
 class StepPlan:
     """What the heads do for each row of a step (computed before the logits)."""
 
-    rules: np.ndarray  # [rows] Stream0Rule
+    rules: np.ndarray  # [rows] Stream0Rule (audio rows)
     active: np.ndarray  # [rows, 8] aux stream samples (else PAD)
     commit: np.ndarray  # [rows] bool: this row produces a new step
+    text: np.ndarray | None = None  # [rows] bool: in a text phase (None: no row is)
+    text_rules: np.ndarray | None = None  # [rows] modality.TextRule (text rows)
+    switch: np.ndarray | None = None  # [rows] bool: the text phase may switch to audio
 
 
 @dataclass
@@ -104,6 +116,11 @@ class StreamStateStore:
         prompt_len = spec.prompt_aux.shape[0]
         aux = np.zeros((max(64, 2 * (prompt_len + spec.max_frames)), vocab.NUM_CODEBOOKS), dtype=np.int64)
         aux[:prompt_len] = spec.prompt_aux
+        text_first = spec.start_modality == vocab.TEXT_BPE
+        text_sampling = None
+        if text_first:
+            t, k, p = spec.text_sampling or (sampling.temperature, sampling.top_k, sampling.top_p)
+            text_sampling = SamplingConfig(temperature=t, top_k=k, top_p=p, seed=sampling.seed)
         self.requests[req_id] = RequestStreams(
             prompt_len=prompt_len,
             min_frames=spec.min_frames,
@@ -114,6 +131,12 @@ class StreamStateStore:
             num_positions=prompt_len,
             cfg_scale=spec.cfg_scale,
             shadow_of=spec.shadow_of,
+            audio_start=modality.NOT_SWITCHED if text_first else 0,
+            min_text=spec.min_text,
+            max_text=spec.max_text,
+            switch=spec.switch,
+            text_sampling=text_sampling,
+            text_generator=text_sampling.text_generator(device) if text_sampling else None,
         )
         if spec.shadow_of is not None or guidance.uses_cfg(spec.cfg_scale):
             self.num_cfg += 1
@@ -173,14 +196,23 @@ class StreamStateStore:
         known = np.array([s.num_positions for s in states], dtype=np.int64)
         eos = np.array([s.eos_step for s in states], dtype=np.int64)
         steps = next_pos - prompt_len
-        rules = delay.stream0_rules(
-            steps,
-            eos,
-            np.array([s.min_frames for s in states]),
-            np.array([s.max_frames for s in states]),
-        )
         commit = ~batch.discard & (steps >= 0) & (next_pos == known)
-        return StepPlan(rules=rules, active=delay.aux_active(steps, eos), commit=commit)
+        audio_start = np.array([s.audio_start for s in states], dtype=np.int64)
+        if not audio_start.any():  # every row's audio started with its generation: the steps are the segment's
+            rules = delay.stream0_rules(steps, eos, np.array([s.min_frames for s in states]),
+                                        np.array([s.max_frames for s in states]))
+            return StepPlan(rules=rules, active=delay.aux_active(steps, eos), commit=commit)
+        text = audio_start == modality.NOT_SWITCHED
+        a_steps, a_eos = modality.audio_steps(steps, audio_start, eos)
+        rules = delay.stream0_rules(a_steps, a_eos, np.array([s.min_frames for s in states]),
+                                    np.array([s.max_frames for s in states]))
+        switch = np.array([s.switch for s in states], dtype=bool)
+        text_rules = modality.text_rules(steps, np.array([s.min_text for s in states]),
+                                         np.array([s.max_text for s in states]), switch)
+        active = delay.aux_active(a_steps, a_eos) & ~text[:, None]
+        if not text.any():
+            return StepPlan(rules=rules, active=active, commit=commit)
+        return StepPlan(rules=rules, active=active, commit=commit, text=text, text_rules=text_rules, switch=switch)
 
     def commit(self, batch: StepBatch, plan: StepPlan, ids: np.ndarray) -> None:
         """Record the aux ids [n_commit, 8] sampled for the committing rows of this step."""
@@ -195,8 +227,16 @@ class StreamStateStore:
         st = self.requests.get(req_id)
         if st is None or req_id not in self.step_aux:
             return
-        if token == vocab.SOS_EOS and st.eos_step == delay.NO_EOS:
-            st.eos_step = st.num_positions - 1 - st.prompt_len
+        step = st.num_positions - 1 - st.prompt_len
+        if st.audio_start == modality.NOT_SWITCHED:
+            if token == modality.SWITCH_TOKEN:
+                st.audio_start = step + 1
+        elif token == vocab.SOS_EOS and st.eos_step == delay.NO_EOS:
+            st.eos_step = step
+
+    def text_sampling_rows(self, batch: StepBatch, rows: np.ndarray) -> tuple[list[SamplingConfig], list[torch.Generator | None]]:
+        states = [self.requests[batch.req_ids[r]] for r in rows]
+        return [s.text_sampling for s in states], [s.text_generator for s in states]
 
     def sampling_rows(self, batch: StepBatch, rows: np.ndarray) -> tuple[list[SamplingConfig], list[torch.Generator | None]]:
         states = [self.requests[batch.req_ids[r]] for r in rows]
