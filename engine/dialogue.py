@@ -1,20 +1,26 @@
 """The OpusLM dialogue prompt: a conversation's turns as the [T, 9] sequence the model reads.
 
-Layout (ESPnet's chat format with `inference_last_segment`, as the espnet/vllm fork renders it;
-shared/research/opuslm.md §4):
+Layout (ESPnet's chat format, checked against ESPnet's code; the sources and the other tasks are in
+engine/tasks.py, whose test rebuilds this layout the way ESPnet does and compares):
 
     5 <audio_dialogue task 89>
-    8 37  speaker prompt audio + 8-step flush            (optional voice to imitate)
+    8 37  speaker prompt: 500 frames (cut, or zero-padded) + 8-step flush  (optional voice)
     9 34  user audio + 8-step flush                        | one pair of segments
-    9 35  user text + 8 pads                  (optional)   | per turn; text segments
-    10 35 assistant text + 8 pads             (optional)   | only when the model has
-    10 34 assistant audio + 8-step flush                   | a text tokenizer
+    9 35  user text + 8 pads                  (optional)   | per turn, in this order
+    10 35 assistant text + 8 pads             (optional)   | (speechlm_dialogue_assemble.py:
+    10 34 assistant audio + 8-step flush                   | user audio first, assistant text first)
     ...
     10 34                                     <- the model generates the assistant's audio
+    10 35                                     <- or, `text_first`, the assistant's text first
 
-Non-target segments carry no end token, only their 8-step tail; audio is delay-interleaved.
-The history holds what was actually said and played: an interrupted assistant turn keeps only
-its played frames.
+Every segment is followed by 8 all-PAD rows (ESPnet's `inter_segment_pad`, nq - 1 for the delay
+architecture); ESPnet delay-interleaves the whole sequence, which with those pads equals
+interleaving each audio segment on its own (its 8-step flush is the pad rows). History segments carry
+no end token: ESPnet ends a *target* segment with <sos/eos> (<eou> mid-dialogue in the fork the
+dialogue model was trained with), but the contexts of that model's last training stage (DPO) and the
+espnet/vllm fork's `_build_dialogue_sequence` have none, and this path is unchanged from before.
+The history holds what was actually said and played: an interrupted assistant turn keeps only its
+played frames.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ import numpy as np
 from engine import delay, vocab
 from engine.prompt import audio_segment, open_audio_segment, special_rows
 
-SPEAKER_PROMPT_FRAMES = 500  # ESPnet cuts or zero-pads the speaker prompt to 10 s
+# ESPnet's speaker prompt is always this long: longer ones are cut (ESPnet: a random window in
+# training; here the first 10 s), shorter ones zero-padded (`pad_speaker_prompt`, on by default):
+# espnet2/train/preprocessor.py::SpeechLMPreprocessor.modality_specific_processing, modality "spk".
+SPEAKER_PROMPT_FRAMES = 500
 _SEGMENT_ROWS = 2 + delay.FLUSH_STEPS  # a segment's role and modality rows, and its 8-step flush
 HEAD_ROWS = 2  # <sos> <audio_dialogue task>
 OPENER_ROWS = 2  # the assistant audio segment the model generates into
@@ -53,9 +62,16 @@ def text_segment(role: int, text_ids: list[int]) -> np.ndarray:
     return np.concatenate([rows, special_rows(*([vocab.PAD] * delay.MAX_DELAY))])
 
 
+def speaker_prompt_frames(frames: np.ndarray) -> np.ndarray:
+    """The speaker prompt as ESPnet lays it out: exactly SPEAKER_PROMPT_FRAMES frames, the first ones
+    of `frames`, then all-PAD frames (PAD in all 9 streams, as ESPnet pads)."""
+    frames = np.asarray(frames, dtype=np.int64).reshape(-1, vocab.NUM_STREAMS)[:SPEAKER_PROMPT_FRAMES]
+    pad = np.full((SPEAKER_PROMPT_FRAMES - len(frames), vocab.NUM_STREAMS), vocab.PAD, dtype=np.int64)
+    return np.concatenate([frames, pad])
+
+
 def speaker_segment(frames: np.ndarray) -> np.ndarray:
-    frames = np.asarray(frames, dtype=np.int64)[:SPEAKER_PROMPT_FRAMES]
-    return audio_segment(vocab.SYSTEM, frames, modality=vocab.SPEAKER)
+    return audio_segment(vocab.SYSTEM, speaker_prompt_frames(frames), modality=vocab.SPEAKER)
 
 
 def history_rows(turns: list[DialogueTurn], speaker_frames: np.ndarray | None = None) -> np.ndarray:
@@ -79,9 +95,15 @@ def history_rows(turns: list[DialogueTurn], speaker_frames: np.ndarray | None = 
     return np.concatenate(parts)
 
 
-def response_prompt(turns: list[DialogueTurn], speaker_frames: np.ndarray | None = None) -> np.ndarray:
-    """The full prompt for generating the assistant's next audio."""
-    return np.concatenate([history_rows(turns, speaker_frames), open_audio_segment(vocab.ASSISTANT)])
+def response_prompt(
+    turns: list[DialogueTurn], speaker_frames: np.ndarray | None = None, *, text_first: bool = False
+) -> np.ndarray:
+    """The full prompt for the assistant's next answer: it opens the assistant's audio segment, or
+    with `text_first` its text segment (`10 35`), so that the model writes the answer's text and ends
+    it (<sos/eos>, the only end ESPnet's text mask allows), and the caller then appends the text's 8
+    pad rows and opens the audio segment (`10 34`)."""
+    opener = special_rows(vocab.ASSISTANT, vocab.TEXT_BPE) if text_first else open_audio_segment(vocab.ASSISTANT)
+    return np.concatenate([history_rows(turns, speaker_frames), opener])
 
 
 def stable_user_prefix(
@@ -114,14 +136,17 @@ def turn_rows(turn: DialogueTurn) -> int:
 
 
 def head_rows(speaker_frames: int) -> int:
-    """The positions before the first turn: the task marker and the speaker prompt, if any."""
-    speaker = min(speaker_frames, SPEAKER_PROMPT_FRAMES)
-    return HEAD_ROWS + (_SEGMENT_ROWS + speaker if speaker else 0)
+    """The positions before the first turn: the task marker and the speaker prompt, if any (always
+    SPEAKER_PROMPT_FRAMES frames long, whatever was given)."""
+    return HEAD_ROWS + (_SEGMENT_ROWS + SPEAKER_PROMPT_FRAMES if speaker_frames > 0 else 0)
 
 
-def answer_rows(max_frames: int) -> int:
-    """The positions an answer of `max_frames` takes once generated: frames, flush, slack."""
-    return max_frames + delay.FLUSH_STEPS + ANSWER_MARGIN_ROWS
+def answer_rows(max_frames: int, max_text_tokens: int = 0) -> int:
+    """The positions an answer of `max_frames` takes once generated: frames, flush, slack; and for a
+    `text_first` answer of up to `max_text_tokens` tokens, its text, end token and 8 pads and the
+    audio segment's two opener rows."""
+    text = max_text_tokens + 1 + delay.MAX_DELAY + OPENER_ROWS if max_text_tokens > 0 else 0
+    return max_frames + delay.FLUSH_STEPS + ANSWER_MARGIN_ROWS + text
 
 
 @dataclass(frozen=True)
@@ -147,6 +172,7 @@ def fit_context(
     retention_ratio: float | None,
     speaker_frames: int = 0,
     at_least: int = 0,
+    max_text_tokens: int = 0,
 ) -> ContextFit:
     """How many leading `turns` to drop so that the prompt (history + the current user turn of
     `user_frames`) and an answer of `max_frames` fit `max_model_len` positions.
@@ -156,7 +182,8 @@ def fit_context(
     it has beside the head and the answer: a ratio of 1 drops just enough, lower ratios drop more at
     once so that the next drops come later. `retention_ratio` None: truncation disabled, nothing is
     dropped (`fits` False when it does not fit). `at_least`: drop no fewer turns than this (what an
-    incremental prefill already assumed, so the response reuses its cache).
+    incremental prefill already assumed, so the response reuses its cache). `max_text_tokens`: the
+    answer is `text_first`, with up to that many text tokens before its audio.
 
     When even the user turn alone leaves no room for the whole answer, every earlier turn goes and
     the answer is capped to what fits, if that is at least `MIN_ANSWER_FRAMES` (or all it asked).
@@ -165,7 +192,7 @@ def fit_context(
     after = list(accumulate(reversed(rows), initial=0))[::-1]  # after[k]: rows of turns[k:]
     head = head_rows(speaker_frames) + OPENER_ROWS
     user = _SEGMENT_ROWS + user_frames
-    room = max_model_len - head - answer_rows(max_frames)  # for the kept turns and the user turn
+    room = max_model_len - head - answer_rows(max_frames, max_text_tokens)  # for the kept turns and the user turn
     starts = [k for k in exchange_starts(turns) if k >= min(at_least, len(turns))]
     drop = starts[0]
 
@@ -181,5 +208,5 @@ def fit_context(
     if after[drop] + user <= room:
         return verdict(drop, max_frames, True)
     # one user turn too long for a full answer: the longest answer that fits, if it is worth giving
-    frames = min(max_frames, max_model_len - head - user - answer_rows(0))
+    frames = min(max_frames, max_model_len - head - user - answer_rows(0, max_text_tokens))
     return verdict(drop, max(frames, 0), frames >= min(MIN_ANSWER_FRAMES, max_frames))

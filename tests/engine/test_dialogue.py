@@ -74,9 +74,9 @@ def test_drops_are_rare_with_a_retention_ratio() -> None:
     """A conversation growing by one exchange at a time truncates once every several exchanges."""
     turns: list[DialogueTurn] = []
     drops = 0
-    for _ in range(60):
-        fit = fit_context(turns, 30, 1024, 50, 0.5, speaker_frames=100)
-        assert fit.fits and fit.prompt_rows + answer_rows(50) <= 1024
+    for _ in range(60):  # 1424 = 1024 + the 400 rows a 100-frame speaker prompt gains when padded to 500
+        fit = fit_context(turns, 30, 1424, 50, 0.5, speaker_frames=100)
+        assert fit.fits and fit.prompt_rows + answer_rows(50) <= 1424
         if fit.drop:
             drops += 1
             turns = turns[fit.drop :]
@@ -88,9 +88,10 @@ def test_the_speaker_prompt_is_kept_and_counted() -> None:
     turns = exchanges(*[(40, 60)] * 4)
     with_speaker = fit_context(turns, 40, 700, 60, 1.0, speaker_frames=200)
     without = fit_context(turns, 40, 700, 60, 1.0)
-    assert with_speaker.drop > without.drop  # the speaker prompt's 210 rows leave less room
+    assert with_speaker.drop > without.drop  # the speaker prompt's 510 rows leave less room
     assert with_speaker.prompt_rows == prompt_len(turns[with_speaker.drop :], 40, speaker_frames=200)
-    assert head_rows(900) == head_rows(500)  # the speaker prompt is cut to 10 s
+    assert head_rows(900) == head_rows(500) == head_rows(1)  # the speaker prompt is cut or padded to 10 s
+    assert head_rows(0) == 2
 
 
 def test_a_history_that_does_not_start_an_exchange_is_cut_at_the_next_user_turn() -> None:
