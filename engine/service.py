@@ -47,6 +47,7 @@ from engine.dialogue import (
 )
 from engine.request import AudioRequest
 from engine.sampling import SamplingConfig
+from engine.text import NoTextTokenizerError, TextTokenizer
 from engine.service_api import (
     FRAME_MS,
     AtCapacity,
@@ -60,6 +61,8 @@ from engine.service_api import (
     HistoryTurn,
     ResponseInProgress,
     Role,
+    SpeechOptions,
+    TranscriptionOptions,
 )
 
 log = logging.getLogger("duplex.engine")
@@ -665,6 +668,7 @@ class Engine:
         self._limited_by = ""
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.model_dir: Path | None = None
+        self.text_tokenizer: TextTokenizer | None = None  # None: the model reads and writes no text
 
     @classmethod
     async def start(cls, config: EngineServiceConfig | None = None) -> "Engine":
@@ -699,6 +703,10 @@ class Engine:
             return dac, AudioTokenizer(dac, load_ssl(model, device=device))
 
         dac, self._tokenizer = await loop.run_in_executor(self._tok_pool, load_audio)
+        try:
+            self.text_tokenizer = await loop.run_in_executor(self._tok_pool, TextTokenizer.from_dir, model)
+        except NoTextTokenizerError:
+            log.warning("the model has no text tokenizer: no ASR, TTS or transcripts")
         self._codec = CodecStage(
             dac,
             StreamConfig(first_chunk_frames=cfg.first_chunk_frames, chunk_frames=cfg.chunk_frames),
@@ -917,6 +925,44 @@ class Engine:
         if hasattr(self, "llm"):
             self.llm.shutdown()
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- one-shot requests (engine/oneshot.py) -------------------------------------------------
+
+    def transcribe(self, pcm_16k: np.ndarray, options: TranscriptionOptions | None = None) -> AsyncIterator[str]:
+        from engine import oneshot
+
+        return oneshot.transcribe(self, pcm_16k, options or TranscriptionOptions())
+
+    def synthesize(self, text: str, options: SpeechOptions | None = None) -> AsyncIterator[AudioChunk]:
+        from engine import oneshot
+
+        return oneshot.synthesize(self, text, options or SpeechOptions())
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def pick_rank(self) -> int:
+        """The engine rank with the most headroom now (data parallelism)."""
+        return self._capacity.pick_rank(self._rank_active())
+
+    async def tokenize_clip(self, pcm: np.ndarray) -> np.ndarray:
+        """A whole clip (16 kHz mono) -> its frames [T, 9], in the tokenizer thread."""
+        return await self.tokenize(self.new_tokenizer_state(), _as_float_pcm(pcm, "audio"), finish=True)
+
+    async def stream_audio(self, request: AudioRequest, response_id: str) -> AsyncIterator[AudioChunk]:
+        """An audio request outside any conversation, decoded by the codec stage: its chunks in order.
+        Closing the iterator early aborts it."""
+        response = Response(response_id)
+        response.pump = asyncio.ensure_future(self.run_response(request, response, self.pick_rank()))
+        try:
+            async for chunk in response.chunks():
+                yield chunk
+        finally:
+            if not response.pump.done():
+                response.pump.cancel()
+                await asyncio.wait([response.pump])
+            self.close_stream(response_id)
 
     # --- work for conversations ----------------------------------------------------------------
 

@@ -70,3 +70,33 @@ class TextTokenizer:
         """Boolean mask: which global ids are text ids."""
         ids = np.asarray(ids)
         return (ids >= vocab.TEXT_OFFSET) & (ids < self.text_end)
+
+
+class TextDeltas:
+    """Text ids arriving one by one -> the text they add, as it becomes final.
+
+    A byte-level BPE token may hold part of a UTF-8 character, which decodes to U+FFFD until the
+    rest arrives; such a tail is held back, so the deltas concatenate to `decode(all ids)`.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tok = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # emitted so far
+
+    def push(self, ids: Sequence[int]) -> str:
+        if not len(ids):
+            return ""
+        self.ids.extend(int(i) for i in ids)
+        full = self._tok.decode(self.ids)
+        stable = full.rstrip("\ufffd")
+        return self._take(stable)
+
+    def flush(self) -> str:
+        return self._take(self._tok.decode(self.ids) if self.ids else "")
+
+    def _take(self, upto: str) -> str:
+        if not upto.startswith(self.text):  # a merge changed earlier text (not for byte-level BPE): emit nothing
+            return ""
+        delta, self.text = upto[len(self.text):], upto
+        return delta

@@ -1,0 +1,114 @@
+"""One-shot requests beside the conversations: ASR (audio -> text deltas) and TTS (text -> audio chunks)
+on the same engine, tokenizer and codec stage (`Engine.transcribe`, `Engine.synthesize`).
+
+    transcribe: pcm ─▶ tokenizer thread (whole clip) ─▶ tasks.asr_prompt ─▶ vLLM, text-first request
+                    ─▶ text ids ─▶ TextDeltas ─▶ str deltas
+    synthesize: text ─▶ TextTokenizer ─▶ tasks.tts_prompt ─▶ vLLM, audio request ─▶ frames
+                    ─▶ codec stage ─▶ AudioChunk
+
+They are offline requests (`realtime=False`): the scheduler serves every realtime answer that is not
+comfortably ahead of playback before them, and preempts them first (vllm_plugin/scheduler.py). They
+hold no conversation slot: how many may run at once is the gateway's bound (`audio_api.max_concurrent`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import numpy as np
+
+from engine import tasks
+from engine.delay import FLUSH_STEPS
+from engine.modality import ModalitySplitter
+from engine.request import AudioRequest
+from engine.sampling import SamplingConfig
+from engine.service_api import FRAME_MS, AtCapacity, AudioChunk, EngineError, NoTextModel, SpeechOptions, TranscriptionOptions
+from engine.text import TextDeltas, TextTokenizer
+
+
+
+class OneShotHost(Protocol):
+    """What these requests use of engine.service.Engine."""
+
+    ready: bool
+    text_tokenizer: TextTokenizer | None
+    llm: object  # AsyncOpusEngine
+    max_model_len: int
+
+    async def tokenize_clip(self, pcm: np.ndarray) -> np.ndarray: ...
+
+    def pick_rank(self) -> int: ...
+
+    def stream_audio(self, request: AudioRequest, response_id: str) -> AsyncIterator[AudioChunk]: ...
+
+
+_ids = itertools.count()
+_END_MARGIN = 4  # positions kept free below max_model_len (as dialogue.ANSWER_MARGIN_ROWS)
+
+
+def _text_tokenizer(engine: OneShotHost) -> TextTokenizer:
+    if engine.text_tokenizer is None:
+        raise NoTextModel("this model has no text tokenizer, so it cannot transcribe or speak text")
+    return engine.text_tokenizer
+
+
+def _check_ready(engine: OneShotHost) -> None:
+    if not engine.ready:
+        raise AtCapacity("engine is not ready")
+
+
+def _sampling(options: TranscriptionOptions | SpeechOptions) -> SamplingConfig:
+    return SamplingConfig(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, seed=options.seed)
+
+
+def asr_request(frames: np.ndarray, options: TranscriptionOptions, max_model_len: int) -> AudioRequest:
+    """The ASR request for a clip's frames: text only, at least one token, capped by the context."""
+    prompt = tasks.asr_prompt(frames)
+    room = max_model_len - len(prompt.rows) - _END_MARGIN
+    if room < 2:
+        raise EngineError(f"the audio is too long for the model's context ({len(prompt.rows)} positions of {max_model_len})")
+    return AudioRequest(prompt=prompt.rows, max_frames=0, start_modality=prompt.start_modality,
+                        max_text_tokens=min(options.max_tokens, room - 1), min_text_tokens=1, sampling=_sampling(options))
+
+
+def tts_request(text_ids: list[int], speaker_frames: np.ndarray | None, options: SpeechOptions,
+                max_model_len: int) -> AudioRequest:
+    """The TTS request for text (global ids) and an optional voice's frames."""
+    prompt = tasks.tts_prompt(text_ids, speaker_frames)
+    room = max_model_len - len(prompt.rows) - FLUSH_STEPS - _END_MARGIN
+    if room < 1:
+        raise EngineError(f"the text is too long for the model's context ({len(prompt.rows)} positions of {max_model_len})")
+    return AudioRequest(prompt=prompt.rows, max_frames=min(max(1, int(options.max_ms / FRAME_MS)), room), min_frames=1,
+                        sampling=_sampling(options))
+
+
+async def transcribe(engine: OneShotHost, pcm_16k: np.ndarray, options: TranscriptionOptions) -> AsyncIterator[str]:
+    _check_ready(engine)
+    tokenizer = _text_tokenizer(engine)
+    pcm = np.asarray(pcm_16k)
+    if pcm.ndim != 1 or pcm.size == 0:
+        raise ValueError("transcribe needs mono audio with at least one sample")
+    request = asr_request(await engine.tokenize_clip(pcm), options, engine.max_model_len)
+    splitter, deltas = ModalitySplitter(request.start_modality), TextDeltas(tokenizer)
+    async for chunk in engine.llm.stream_steps(request, f"asr-{next(_ids)}", engine.pick_rank()):
+        delta = deltas.push(splitter.push(chunk.steps)[0])
+        if delta:
+            yield delta
+    tail = deltas.flush()
+    if tail:
+        yield tail
+
+
+async def synthesize(engine: OneShotHost, text: str, options: SpeechOptions) -> AsyncIterator[AudioChunk]:
+    _check_ready(engine)
+    tokenizer = _text_tokenizer(engine)
+    if not text or not text.strip():
+        raise ValueError("synthesize needs non-empty text")
+    speaker = None
+    if options.speaker_prompt_pcm is not None and len(options.speaker_prompt_pcm):
+        speaker = await engine.tokenize_clip(np.asarray(options.speaker_prompt_pcm))
+    request = tts_request([int(i) for i in tokenizer.encode(text)], speaker, options, engine.max_model_len)
+    async for chunk in engine.stream_audio(request, f"tts-{next(_ids)}"):
+        yield chunk
