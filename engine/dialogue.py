@@ -106,6 +106,20 @@ def response_prompt(
     return np.concatenate([history_rows(turns, speaker_frames), opener])
 
 
+def answer_audio_prompt(
+    turns: list[DialogueTurn], text_ids: Sequence[int], speaker_frames: np.ndarray | None = None
+) -> np.ndarray:
+    """After a `text_first` answer wrote `text_ids` and ended them: the prompt that opens the answer's
+    audio segment, laid out as the history will hold the answer (its text segment, then `10 34`), so the
+    next turn's prompt extends it and the prefix cache serves it. (ESPnet's chat inference generates one
+    target segment per call the same way.)"""
+    parts = [history_rows(turns, speaker_frames)]
+    if len(text_ids):
+        parts.append(text_segment(vocab.ASSISTANT, [int(i) for i in text_ids]))
+    parts.append(open_audio_segment(vocab.ASSISTANT))
+    return np.concatenate(parts)
+
+
 def stable_user_prefix(
     turns: list[DialogueTurn], user_frames: np.ndarray, speaker_frames: np.ndarray | None = None
 ) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,26 @@ def test_generate_vllm_equals_reference(tmp_path: Path, tiny_model: Path) -> Non
     assert vocab.in_stream_range(codes_v).all()
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("task, extra", [("asr", []), ("tts", ["--text", "Hello, world."]), ("dialogue", [])])
+def test_generate_task_json_vllm_equals_reference(tmp_path: Path, tiny_model: Path, task: str, extra: list[str]) -> None:
+    common = ["--model", str(tiny_model), "--task", task, *extra, "--requests", "2", "--prompt-frames", "10",
+              "--frames", "12", "--max-tokens", "9", "--greedy"]
+    out = {}
+    for engine in ("vllm", "reference"):
+        p = duplex("generate", "--engine", engine, *common, "--out", str(tmp_path / f"{engine}.json"))
+        assert p.returncode == 0, p.stderr[-2000:]
+        out[engine] = json.loads((tmp_path / f"{engine}.json").read_text())
+    assert out["vllm"] == out["reference"]
+    for obj in out["vllm"]:
+        assert set(obj) == {"text_ids", "text", "frames"}
+        writes_text, speaks = task != "tts", task != "asr"
+        assert len(obj["text_ids"]) == (9 if writes_text else 0) and bool(obj["text"]) == writes_text
+        assert len(obj["frames"]) == (12 if speaks else 0)
+        if speaks:
+            assert vocab.in_stream_range(np.array(obj["frames"])).all()
+
+
 def test_generate_seeded_sampling_is_reproducible(tmp_path: Path, tiny_model: Path) -> None:
     def run(seed: str, out: str) -> np.ndarray:
         p = duplex("generate", "--engine", "reference", "--model", str(tiny_model), "--requests", "2",
@@ -58,6 +79,11 @@ def test_generate_seeded_sampling_is_reproducible(tmp_path: Path, tiny_model: Pa
         (["--model", "/nonexistent"], "no such directory"),
         (["--requests", "0"], "--requests must be >= 1"),
         (["--frames", "0"], ">= 1"),
+        (["--task", "asr"], "use --out FILE.json"),
+        (["--task", "tts"], "--text is for --task tts, which needs it"),
+        (["--task", "tts", "--text", " "], "--text is empty"),
+        (["--text", "hi"], "--text is for --task tts"),
+        (["--task", "asr", "--max-tokens", "0"], "--max-tokens must be >= 1"),
     ],
 )
 def test_generate_bad_input_exits_2_with_a_message(tmp_path: Path, args: list[str], message: str) -> None:
