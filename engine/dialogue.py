@@ -38,7 +38,7 @@ from engine.prompt import audio_segment, open_audio_segment, special_rows
 # training; here the first 10 s), shorter ones zero-padded (`pad_speaker_prompt`, on by default):
 # espnet2/train/preprocessor.py::SpeechLMPreprocessor.modality_specific_processing, modality "spk".
 SPEAKER_PROMPT_FRAMES = 500
-_SEGMENT_ROWS = 2 + delay.FLUSH_STEPS  # a segment's role and modality rows, and its 8-step flush
+SEGMENT_ROWS = 2 + delay.FLUSH_STEPS  # a segment's role and modality rows, and its 8-step flush
 HEAD_ROWS = 2  # <sos> <audio_dialogue task>
 OPENER_ROWS = 2  # the assistant audio segment the model generates into
 # vLLM stops a request whose prompt + output reaches max_model_len: a few rows of slack keep a
@@ -83,7 +83,8 @@ def history_rows(turns: list[DialogueTurn], speaker_frames: np.ndarray | None = 
         if turn.deleted:
             continue
         if turn.role == vocab.USER:
-            parts.append(audio_segment(vocab.USER, turn.frames))
+            if len(turn.frames) or not turn.text_ids:  # a typed turn (text only) has no audio segment
+                parts.append(audio_segment(vocab.USER, turn.frames))
             if turn.text_ids:
                 parts.append(text_segment(vocab.USER, turn.text_ids))
         elif turn.role == vocab.ASSISTANT:
@@ -145,14 +146,15 @@ def turn_rows(turn: DialogueTurn) -> int:
     """The positions `turn` takes in a prompt (its audio segment, and its text segment if any)."""
     if turn.deleted:
         return 0
-    rows = _SEGMENT_ROWS + len(turn.frames)
-    return rows + (_SEGMENT_ROWS + len(turn.text_ids) if turn.text_ids else 0)
+    audio = len(turn.frames) or turn.role != vocab.USER or not turn.text_ids  # as history_rows lays it out
+    rows = SEGMENT_ROWS + len(turn.frames) if audio else 0
+    return rows + (SEGMENT_ROWS + len(turn.text_ids) if turn.text_ids else 0)
 
 
 def head_rows(speaker_frames: int) -> int:
     """The positions before the first turn: the task marker and the speaker prompt, if any (always
     SPEAKER_PROMPT_FRAMES frames long, whatever was given)."""
-    return HEAD_ROWS + (_SEGMENT_ROWS + SPEAKER_PROMPT_FRAMES if speaker_frames > 0 else 0)
+    return HEAD_ROWS + (SEGMENT_ROWS + SPEAKER_PROMPT_FRAMES if speaker_frames > 0 else 0)
 
 
 def answer_rows(max_frames: int, max_text_tokens: int = 0) -> int:
@@ -205,7 +207,7 @@ def fit_context(
     rows = [turn_rows(t) for t in turns]
     after = list(accumulate(reversed(rows), initial=0))[::-1]  # after[k]: rows of turns[k:]
     head = head_rows(speaker_frames) + OPENER_ROWS
-    user = _SEGMENT_ROWS + user_frames
+    user = SEGMENT_ROWS + user_frames
     room = max_model_len - head - answer_rows(max_frames, max_text_tokens)  # for the kept turns and the user turn
     starts = [k for k in exchange_starts(turns) if k >= min(at_least, len(turns))]
     drop = starts[0]

@@ -35,19 +35,24 @@ from engine.capacity import CapacityModel, LatenessFeedback
 from engine.host_meter import HostMeter
 from engine.delay import MAX_DELAY, FrameAssembler
 from engine.dialogue import (
+    SEGMENT_ROWS,
     SPEAKER_PROMPT_FRAMES,
     ContextFit,
     DialogueTurn,
     MIN_ANSWER_FRAMES,
+    answer_audio_prompt,
     answer_rows,
     fit_context,
     history_rows,
     response_prompt,
     stable_user_prefix,
+    turn_rows,
 )
+from engine.modality import ModalitySplitter
+from engine.prompt import special_rows
 from engine.request import AudioRequest
 from engine.sampling import SamplingConfig
-from engine.text import NoTextTokenizerError, TextTokenizer
+from engine.text import NoTextTokenizerError, TextDeltas, TextTokenizer
 from engine.service_api import (
     FRAME_MS,
     AtCapacity,
@@ -59,6 +64,7 @@ from engine.service_api import (
     EngineHealth,
     EngineLoad,
     HistoryTurn,
+    NoTextModel,
     ResponseInProgress,
     Role,
     SpeechOptions,
@@ -136,6 +142,7 @@ class _UserTurn:
     flushed_from: int = 0  # a speculative fork: its frames from here on were flushed from a copy
     done: asyncio.Future | None = None  # resolves when the tokenizer has flushed the turn
     last_job: asyncio.Future | None = None
+    text_ids: list[int] = field(default_factory=list)  # what the user typed (add_user_text), global ids
 
     @property
     def num_frames(self) -> int:
@@ -195,6 +202,18 @@ class Response:
         self.speculation: _Speculation | None = None  # set while a speculative answer is undecided
         self.discarded = False
         self._on_discard = None  # the conversation's undo, set by `respond(speculative=True)`
+        self._transcript: asyncio.Queue = asyncio.Queue()  # the user turn's transcript deltas, then _END
+        self.transcriber: asyncio.Task | None = None  # writes them (transcribe_user)
+        self.text_ids: list[int] = []  # the answer's text so far (assistant_text)
+
+    async def user_transcript(self) -> AsyncIterator[str]:
+        while True:
+            item = await self._transcript.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     async def chunks(self) -> AsyncIterator[AudioChunk]:
         """Ends once the answer's turn is in the history, so the next prompt is known when it does."""
@@ -292,6 +311,7 @@ class Conversation:
         # history edits that change the prefix-cache salt: turns the client deleted from the middle of
         # the history, and discarded speculative answers whose flushed user frames filled a cache block
         self._resalts = 0
+        engine.check_text_options(options)
         self._speaker: asyncio.Future | None = self._tokenize_speaker(options.speaker_prompt_pcm)
 
     @property
@@ -306,6 +326,7 @@ class Conversation:
     def update_options(self, options: ConversationOptions) -> None:
         """New settings (session.update); they apply from the next response on."""
         self._check_open()
+        self._engine.check_text_options(options)
         old = self._options.speaker_prompt_pcm
         new = options.speaker_prompt_pcm
         if (old is None) != (new is None) or (new is not None and not np.array_equal(old, new)):
@@ -358,6 +379,16 @@ class Conversation:
         job = self._engine.tokenize(user.tokenizer_state, None, finish=True)
         user.done = job
         job.add_done_callback(lambda f, u=user: self._on_frames(u, f))
+
+    def add_user_text(self, text: str) -> None:
+        """A typed user turn: it ends the open audio turn (if any) and joins it in the next exchange."""
+        self._check_open()
+        self._check_decided()
+        if not text or not text.strip():
+            raise ValueError("a user text turn needs non-empty text")
+        tokenizer = self._engine.require_text()
+        self.end_user_turn()
+        self._user.text_ids.extend(int(i) for i in tokenizer.encode(text))
 
     def _on_frames(self, user: _UserTurn, fut: concurrent.futures.Future | asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None:
@@ -463,7 +494,8 @@ class Conversation:
             if prev is not None and prev.task is not None:
                 await asyncio.wait([prev.task])  # its turn must be in the history before ours
             failure = await self._tokenized(user)
-            fit = self._fit(user.num_frames, at_least=user.drop)
+            user_turn = DialogueTurn(vocab.USER, user.all_frames(), list(user.text_ids))
+            fit = self._fit(turn_rows(user_turn) - SEGMENT_ROWS, at_least=user.drop)
             if response.speculation is not None:
                 spec = response.speculation
                 spec.history = (list(self._turns), list(self._exchanges), self.history_dropped)
@@ -472,29 +504,20 @@ class Conversation:
                 spec.flushed_rows = (first + user.flushed_from, first + user.num_frames)
             self._drop_turns(fit.drop, response)
             # one exchange per response, whatever happens to it (service_api: the gateway counts on it)
-            self._turns.append(DialogueTurn(vocab.USER, user.all_frames()))
+            self._turns.append(user_turn)
             self._exchanges.append(response.id)
             response.turn = DialogueTurn(vocab.ASSISTANT, np.zeros((0, vocab.NUM_STREAMS), np.int64))
             if failure is not None:
                 raise failure
+            if self._options.transcribe_user and len(user_turn.frames):
+                response.transcriber = asyncio.ensure_future(self._transcribe_user(response))
+            else:
+                response._transcript.put_nowait(_END)
             if response.cancelled:
                 return
             if not fit.fits:
                 raise ConversationTooLong(self._too_long(fit))
-            self.last_prompt = response_prompt(self._turns, self._speaker_frames())
-            max_frames = fit.max_frames
-            if guidance.uses_cfg(self._options.cfg_scale):
-                max_frames = self._engine.guided_max_frames(len(self.last_prompt), max_frames)
-            request = AudioRequest(
-                prompt=self.last_prompt,
-                max_frames=max_frames,
-                min_frames=1,
-                sampling=self._sampling,
-                cache_salt=self._salt_at(self.history_dropped),
-                realtime=True,
-                cfg_scale=self._options.cfg_scale,
-            )
-            response.pump = asyncio.ensure_future(self._engine.run_response(request, response, self.rank))
+            response.pump = asyncio.ensure_future(self._answer(response, fit))
             await asyncio.wait([response.pump])  # a cancel ends it early; its own failures it delivers
             if not response.pump.cancelled():
                 await response.delivered.wait()  # the codec stage still decodes the last frames
@@ -506,6 +529,54 @@ class Conversation:
             response.deliver(e)
         finally:
             self._end_response(response)
+
+    async def _answer(self, response: Response, fit: ContextFit) -> None:
+        """The answer's generation: its text first (assistant_text), then its audio (output_audio)."""
+        speaker, opts = self._speaker_frames(), self._options
+        salt = self._salt_at(self.history_dropped)
+        if opts.assistant_text:
+            self.last_prompt = response_prompt(self._turns, speaker, text_first=True)
+            text = AudioRequest(prompt=self.last_prompt, max_frames=0, start_modality=vocab.TEXT_BPE,
+                                max_text_tokens=opts.max_text_tokens, min_text_tokens=1, sampling=self._sampling,
+                                cache_salt=salt, realtime=True)
+            await self._engine.run_text(text, response, self.rank)
+            if response.delivered.is_set():  # it failed
+                return
+            if not opts.output_audio:
+                response.deliver(AudioChunk(response.id, np.zeros(0, np.int16), 0.0, 0.0, time.monotonic(), is_last=True))
+                return
+            self.last_prompt = answer_audio_prompt(self._turns, response.text_ids, speaker)
+        else:
+            self.last_prompt = response_prompt(self._turns, speaker)
+        max_frames = fit.max_frames
+        if guidance.uses_cfg(opts.cfg_scale):
+            max_frames = self._engine.guided_max_frames(len(self.last_prompt), max_frames)
+        request = AudioRequest(prompt=self.last_prompt, max_frames=max_frames, min_frames=1, sampling=self._sampling,
+                               cache_salt=salt, realtime=True, cfg_scale=opts.cfg_scale)
+        await self._engine.run_response(request, response, self.rank)
+
+    async def _transcribe_user(self, response: Response) -> None:
+        """The user turn's text as the dialogue model writes it (`9 35` after the user's audio: ESPnet's
+        dialogue recipe trains the user text as a target), beside the answer: an offline request that
+        shares the answer's prompt prefix in the cache. The history keeps the audio only."""
+        try:
+            prompt = np.concatenate([history_rows(self._turns, self._speaker_frames()),
+                                     special_rows(vocab.USER, vocab.TEXT_BPE)])
+            room = self._engine.max_model_len - len(prompt) - 4
+            if room < 2:
+                return
+            request = AudioRequest(prompt=prompt, max_frames=0, start_modality=vocab.TEXT_BPE,
+                                   max_text_tokens=min(self._options.max_text_tokens, room - 1), min_text_tokens=1,
+                                   sampling=SamplingConfig(temperature=0.0), cache_salt=self._salt_at(self.history_dropped))
+            async for delta in self._engine.text_deltas(request, f"{response.id}#user_text", self.rank):
+                response._transcript.put_nowait(delta)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the transcript fails alone; the answer goes on
+            log.exception("transcript of the user turn of %s failed", response.id)
+            response._transcript.put_nowait(e)
+        finally:
+            response._transcript.put_nowait(_END)
 
     async def _tokenized(self, user: _UserTurn) -> BaseException | None:
         """Wait for the tokenizer to flush the turn (its frames are then in `user`) and for the speaker
@@ -526,9 +597,10 @@ class Conversation:
     def _fit(self, user_frames: int, at_least: int = 0) -> ContextFit:
         """Which leading turns the prompt for a user turn of `user_frames` drops, and its answer's cap."""
         speaker = self._speaker_frames()
+        text = self._options.max_text_tokens if self._options.assistant_text else 0
         return fit_context(self._turns, user_frames, self._engine.max_model_len, self._max_frames(),
                            self._options.retention_ratio, speaker_frames=0 if speaker is None else len(speaker),
-                           at_least=at_least)
+                           at_least=at_least, max_text_tokens=text)
 
     def _salt_at(self, first_turn: int) -> str:
         """The prefix-cache salt of prompts whose history starts at the conversation's turn `first_turn`.
@@ -565,6 +637,10 @@ class Conversation:
 
     def _end_response(self, response: Response) -> None:
         self._engine.close_stream(response.id)
+        if response.transcriber is None:  # never started (a failure, a cancel): the transcript is empty
+            response._transcript.put_nowait(_END)
+        elif response.discarded:  # the exchange never happened
+            response.transcriber.cancel()
         if response.discarded:
             self._undo_speculation(response)
         elif response.turn is not None:
@@ -572,6 +648,7 @@ class Conversation:
             if response.played_frames is not None:
                 frames = frames[: response.played_frames]
             response.turn.frames = frames
+            response.turn.text_ids = list(response.text_ids)  # the text written (and shown) so far
             self._turns.append(response.turn)
         response.ended = True
         response.deliver(_END)
@@ -628,6 +705,8 @@ class Conversation:
             return
         if self._response is not None:
             self._response.cancel(float("inf"))
+        if self._last is not None and self._last.transcriber is not None:
+            self._last.transcriber.cancel()
         self._closed = True
         self._engine.forget(self.id)
 
@@ -941,6 +1020,55 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def supports_text(self) -> bool:
+        return self.text_tokenizer is not None
+
+    def require_text(self) -> TextTokenizer:
+        if self.text_tokenizer is None:
+            raise NoTextModel("this model has no text tokenizer: it reads and writes audio only")
+        return self.text_tokenizer
+
+    def check_text_options(self, options: ConversationOptions) -> None:
+        """NoTextModel / ValueError for text options this engine cannot honour."""
+        if options.transcribe_user or options.assistant_text:
+            self.require_text()
+        if not options.output_audio and not options.assistant_text:
+            raise ValueError("a text-only answer (output_audio False) needs assistant_text")
+        if options.max_text_tokens < 1:
+            raise ValueError(f"max_text_tokens must be >= 1, got {options.max_text_tokens}")
+
+    async def text_deltas(self, request: AudioRequest, request_id: str, rank: int = 0) -> AsyncIterator[str]:
+        """A text-first request's text as it is written: decoded deltas (engine.text.TextDeltas)."""
+        splitter, deltas = ModalitySplitter(request.start_modality), TextDeltas(self.require_text())
+        async for chunk in self.llm.stream_steps(request, request_id, rank):
+            delta = deltas.push(splitter.push(chunk.steps)[0])
+            if delta:
+                yield delta
+        tail = deltas.flush()
+        if tail:
+            yield tail
+
+    async def run_text(self, request: AudioRequest, response: Response, rank: int = 0) -> None:
+        """An answer's text (text-first, no switch): each delta delivered as a chunk without audio, the
+        ids kept on the response (the history's assistant text)."""
+        splitter, deltas = ModalitySplitter(request.start_modality), TextDeltas(self.require_text())
+        try:
+            async for chunk in self.llm.stream_steps(request, f"{response.id}#text", rank):
+                new = splitter.push(chunk.steps)[0]
+                response.text_ids.extend(new)
+                delta = deltas.push(new)
+                if delta:
+                    response.deliver(AudioChunk(response.id, np.zeros(0, np.int16), 0.0, 0.0, time.monotonic(), text_delta=delta))
+            tail = deltas.flush()
+            if tail:
+                response.deliver(AudioChunk(response.id, np.zeros(0, np.int16), 0.0, 0.0, time.monotonic(), text_delta=tail))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("response %s failed while writing its text", response.id)
+            response.deliver(e)
 
     def pick_rank(self) -> int:
         """The engine rank with the most headroom now (data parallelism)."""

@@ -89,6 +89,14 @@ class ConversationOptions:
     cfg_scale: float = 1.0
     max_response_ms: float = 10_000.0
     retention_ratio: float | None = DEFAULT_RETENTION_RATIO  # context management; None: disabled (conversation_too_long)
+    # Text (the model must have a text tokenizer: `EngineLike.supports_text`, else NoTextModel):
+    # the model writes each answered user turn's transcript (`ResponseHandle.user_transcript()`)
+    transcribe_user: bool = False
+    # each answer first writes its text (AudioChunks with `text_delta` and no audio, before its audio), as
+    # the dialogue model was trained (assistant text, then speech); costs the text's steps before the audio
+    assistant_text: bool = False
+    output_audio: bool = True  # False: text-only answers (needs assistant_text): no audio chunks at all
+    max_text_tokens: int = 128  # an answer's text at most
 
 
 DEFAULT_OPTIONS = ConversationOptions()  # the gateway's config and session defaults derive from it
@@ -103,7 +111,9 @@ class AudioChunk:
     start_ms: float  # offset of this chunk from the start of the response audio
     duration_ms: float
     deadline: float  # time.monotonic() by which it must be playing for gap-free playback
-    text_delta: str = ""  # assistant text the model emitted with this chunk, if any
+    # assistant text the model wrote (ConversationOptions.assistant_text): such chunks come before the
+    # answer's audio and carry no audio (pcm empty, duration_ms 0)
+    text_delta: str = ""
     is_last: bool = False
 
 
@@ -185,8 +195,15 @@ class ResponseHandle(Protocol):
         """The answer's audio, in order, until a chunk with `is_last`; ends early (without `is_last`)
         once cancelled; raises `EngineError` when the engine fails the response. Iterate it once."""
 
+    def user_transcript(self) -> AsyncIterator[str]:
+        """The text of the user turn this answer answers, as the model writes it (ConversationOptions.
+        transcribe_user): deltas that concatenate to the transcript, then the end; nothing at all when not
+        asked for. Written beside the answer (it does not delay it); the history keeps the audio only.
+        Raises `EngineError` when the engine fails it. Iterate it once."""
+
     def cancel(self, played_ms: float) -> None:
-        """Stop generating at the next step; the history keeps `played_ms` of this answer. Idempotent,
+        """Stop generating at the next step; the history keeps `played_ms` of this answer (and the text
+        it wrote so far). Idempotent,
         and valid before generation started (it then never starts) and after it ended (it cuts)."""
 
     def confirm(self) -> None:
@@ -229,6 +246,11 @@ class Conversation(Protocol):
         """The client played only `played_ms` of an answer: the history keeps that much. Any answer
         still in the history can be cut (never lengthened); unknown or dropped responses are ignored."""
 
+    def add_user_text(self, text: str) -> None:
+        """A user turn in text (conversation.item.create with input_text): it ends any open audio turn and
+        is what the next `respond()` answers (with the audio turn before it, if any, in the same exchange).
+        Raises NoTextModel without a text tokenizer, ValueError for empty text."""
+
     def delete_turn(self, response_id: str, role: Role) -> None:
         """The client deleted the user turn (`Role.USER`) or the answer of `response_id`'s exchange:
         the model no longer reads it, and `history` no longer lists it. Raises `ResponseInProgress`
@@ -252,6 +274,10 @@ class Conversation(Protocol):
 
 
 class EngineLike(Protocol):
+    # the model has a text tokenizer: it can transcribe, write answers' text, read text turns, and serve
+    # transcribe/synthesize; without one those raise NoTextModel and the gateway refuses them up front
+    supports_text: bool
+
     def open_conversation(self, session_id: str, options: ConversationOptions | None = None) -> Conversation: ...
 
     def health(self) -> EngineHealth: ...

@@ -1,0 +1,137 @@
+"""Text in conversations (engine/service.py): answers that write their text before their audio, text-only
+answers, the user's transcript written by the model, typed user turns; each equal to the reference's
+greedy output for the prompt the history makes. Real vLLM, tokenizer and codec stage on CPU."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine import vocab
+from engine.codec.synth import speech_like
+from engine.dialogue import DialogueTurn, answer_audio_prompt, history_rows, response_prompt
+from engine.prompt import special_rows
+from engine.reference import ReferenceOpusLM
+from engine.request import AudioRequest
+from engine.sampling import GREEDY
+from engine.service import Engine, EngineServiceConfig
+from engine.service_api import ConversationOptions, NoTextModel
+from engine.text import TextTokenizer
+
+pytestmark = pytest.mark.vllm
+
+TEXT = ConversationOptions(temperature=0.0, max_response_ms=400.0, assistant_text=True, max_text_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def engine(loop_thread, tiny_model):
+    eng = loop_thread.run(Engine.start(EngineServiceConfig(model=str(tiny_model), capacity_override=3)))
+    yield eng
+    loop_thread.run(eng.shutdown())
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model):
+    return ReferenceOpusLM.from_dir(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return TextTokenizer.from_dir(tiny_model)
+
+
+def speech(seconds: float, seed: int) -> np.ndarray:
+    return (speech_like(seconds, seed=seed) * 20000).astype(np.int16)
+
+
+def text_request(prompt: np.ndarray, max_text: int) -> AudioRequest:
+    return AudioRequest(prompt, max_frames=0, start_modality=vocab.TEXT_BPE, max_text_tokens=max_text,
+                        min_text_tokens=1, sampling=GREEDY)
+
+
+async def answer(conv, rid: str):
+    handle = conv.respond(rid)
+    chunks, transcript = await asyncio.gather(
+        _collect(handle.chunks()), _collect(handle.user_transcript()))
+    return chunks, transcript
+
+
+async def _collect(it):
+    return [x async for x in it]
+
+
+def test_answer_writes_its_text_then_speaks_it_and_the_history_keeps_both(engine, loop_thread, ref, tok) -> None:
+    async def run():
+        conv = engine.open_conversation("text1", TEXT)
+        conv.push_user_audio(speech(0.8, seed=1))
+        first = await answer(conv, "r1")
+        turns_after_first = list(conv._turns)
+        conv.push_user_audio(speech(0.5, seed=2))
+        second = await answer(conv, "r2")
+        prompt2 = conv.last_prompt
+        await conv.close()
+        return first, second, turns_after_first, prompt2
+
+    (chunks, transcript), (chunks2, _), turns, prompt2 = loop_thread.run(run())
+    assert transcript == []  # not asked for
+    text_chunks = [c for c in chunks if c.text_delta]
+    kinds = ["text" if c.text_delta else "audio" for c in chunks if c.text_delta or len(c.pcm)]
+    assert kinds.count("text") >= 2 and kinds == sorted(kinds, key=lambda k: k == "audio")  # all text, then audio
+    assert all(len(c.pcm) == 0 and c.duration_ms == 0 for c in text_chunks) and chunks[-1].is_last
+    user, said = turns
+    want_text = ref.generate(text_request(response_prompt([user], text_first=True), 10)).text_ids
+    assert "".join(c.text_delta for c in text_chunks) == tok.decode(want_text)
+    assert said.text_ids == list(want_text)
+    want_audio = ref.generate(AudioRequest(answer_audio_prompt([user], want_text), 20, 1, GREEDY)).frames
+    np.testing.assert_array_equal(said.frames, want_audio)
+    # the next answer reads the first one's text and audio, as history_rows lays them out
+    np.testing.assert_array_equal(prompt2[: len(history_rows([user, said]))], history_rows([user, said]))
+    assert any(c.text_delta for c in chunks2)
+
+
+def test_text_only_answers_transcripts_and_typed_turns(engine, loop_thread, ref, tok) -> None:
+    opts = ConversationOptions(temperature=0.0, assistant_text=True, output_audio=False, transcribe_user=True,
+                               max_text_tokens=8)
+
+    async def run():
+        conv = engine.open_conversation("text2", opts)
+        conv.push_user_audio(speech(0.7, seed=3))
+        spoken = await answer(conv, "t1")
+        turns = list(conv._turns)
+        conv.add_user_text("What time is it?")
+        typed = await answer(conv, "t2")
+        typed_prompt = conv.last_prompt
+        await conv.close()
+        return spoken, typed, turns, typed_prompt
+
+    (chunks, transcript), (typed_chunks, typed_transcript), (user, said), typed_prompt = loop_thread.run(run())
+    assert all(len(c.pcm) == 0 for c in chunks) and chunks[-1].is_last and said.frames.shape[0] == 0
+    # the user's transcript: the model writing `9 35` after the user's audio, greedy
+    want = ref.generate(text_request(np.concatenate([history_rows([user]), special_rows(vocab.USER, vocab.TEXT_BPE)]), 8))
+    assert "".join(transcript) == tok.decode(want.text_ids) and len(transcript) > 1
+    assert user.text_ids == []  # the history keeps the audio only
+    # a typed turn: a text segment, no audio segment, and no transcript to write
+    ids = [int(i) for i in tok.encode("What time is it?")]
+    typed_turn = DialogueTurn(vocab.USER, np.zeros((0, vocab.NUM_STREAMS), np.int64), ids)
+    np.testing.assert_array_equal(typed_prompt, response_prompt([user, said, typed_turn], text_first=True))
+    assert bytes(special_rows(vocab.USER, vocab.TEXT_BPE, *ids)) in bytes(typed_prompt)
+    assert typed_transcript == [] and "".join(c.text_delta for c in typed_chunks)
+
+
+def test_text_options_need_a_text_model_and_make_sense(engine, loop_thread) -> None:
+    with pytest.raises(ValueError, match="assistant_text"):
+        engine.open_conversation("bad1", ConversationOptions(output_audio=False))
+    tokenizer, engine.text_tokenizer = engine.text_tokenizer, None
+    try:
+        with pytest.raises(NoTextModel):
+            engine.open_conversation("bad2", ConversationOptions(transcribe_user=True))
+        conv = engine.open_conversation("audio_only")
+        with pytest.raises(NoTextModel):
+            conv.add_user_text("hello")
+        with pytest.raises(NoTextModel):
+            conv.update_options(ConversationOptions(assistant_text=True))
+        loop_thread.run(conv.close())
+    finally:
+        engine.text_tokenizer = tokenizer
