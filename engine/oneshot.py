@@ -70,7 +70,8 @@ def asr_request(frames: np.ndarray, options: TranscriptionOptions, max_model_len
     if room < 2:
         raise EngineError(f"the audio is too long for the model's context ({len(prompt.rows)} positions of {max_model_len})")
     return AudioRequest(prompt=prompt.rows, max_frames=0, start_modality=prompt.start_modality,
-                        max_text_tokens=min(options.max_tokens, room - 1), min_text_tokens=1, sampling=_sampling(options))
+                        max_text_tokens=(n := min(options.max_tokens, room - 1)), min_text_tokens=min(options.min_tokens, n),
+                        sampling=_sampling(options))
 
 
 def tts_request(text_ids: list[int], speaker_frames: np.ndarray | None, options: SpeechOptions,

@@ -128,6 +128,7 @@ class TranscriptionOptions:
     """One ASR request (`Engine.transcribe`). Greedy by default, as transcription should be."""
 
     max_tokens: int = 448  # text tokens at most (Whisper's decoder limit; an answer past it is cut)
+    min_tokens: int = 1  # no end of text before this many tokens (benchmarks hold the length fixed with it)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0

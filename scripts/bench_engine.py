@@ -8,9 +8,17 @@
 
 Throughput = generated steps per second summed over the batch, for OpusLM's serving sampling
 (temperature 0.8, top-k 30) and for greedy decoding (a step is one 20 ms frame of every
-stream for one request). Both vLLM engines stay up and are measured alternately, best of
---repeats, so machine noise hits both alike. Last line:
+stream for one request, or one text token). Both vLLM engines stay up and are measured alternately,
+best of --repeats, so machine noise hits both alike. Last line:
 overhead_vs_bare_vllm=X.XX speedup_vs_reference=Y.Y  (at the largest batch)
+
+--task picks the requests (prompts: engine/tasks.py):
+  continuation  audio after an audio prompt (the default)
+  asr           text-phase steps: an audio clip's "transcript", --frames text tokens each
+  tts           audio after a text prompt
+and --mixed adds, at each batch size, the step cost of a 50/50 batch of text-phase (asr) and
+audio-phase (continuation) rows against pure-text and pure-audio batches of the same size:
+mixed_vs_pure=X.XX (the mixed step's time over the mean of the pure ones; 1.00 = no penalty).
 
 All three run with the same CPU thread budget, by default the one the engine gets in the service
 on this machine (engine.service.engine_cpu_threads: all cores but one, which the codec and the
@@ -28,12 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import checkpoint  # noqa: E402
-from engine.prompt import synthetic_prompt  # noqa: E402
+from engine import checkpoint, tasks, vocab  # noqa: E402
+from engine.prompt import random_frames, synthetic_prompt, synthetic_prompt_frames  # noqa: E402
 from engine.request import AudioRequest  # noqa: E402
 from engine.sampling import SamplingConfig  # noqa: E402
 
@@ -56,11 +65,27 @@ def write_bare_llama(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def requests(batch: int, frames: int, prompt_frames: int, sampling: SamplingConfig) -> list[AudioRequest]:
-    return [
-        AudioRequest(synthetic_prompt(i, prompt_frames), max_frames=frames, min_frames=frames, sampling=sampling)
-        for i in range(batch)
-    ]
+def requests(batch: int, frames: int, prompt_frames: int, sampling: SamplingConfig,
+             task: str = "continuation") -> list[AudioRequest]:
+    """`batch` requests of `task`, each `frames` steps of output (frames, or text tokens for asr)."""
+    out = []
+    for i in range(batch):
+        if task == "asr":
+            clip = random_frames(np.random.default_rng(i), synthetic_prompt_frames(i, prompt_frames))
+            out.append(AudioRequest(tasks.asr_prompt(clip).rows, max_frames=0, start_modality=vocab.TEXT_BPE,
+                                    max_text_tokens=frames, min_text_tokens=frames, sampling=sampling))
+        elif task == "tts":
+            text = [vocab.TEXT_OFFSET + (7 * i + j) % 500 for j in range(synthetic_prompt_frames(i, prompt_frames) // 3 + 1)]
+            out.append(AudioRequest(tasks.tts_prompt(text).rows, max_frames=frames, min_frames=frames, sampling=sampling))
+        else:
+            out.append(AudioRequest(synthetic_prompt(i, prompt_frames), max_frames=frames, min_frames=frames, sampling=sampling))
+    return out
+
+
+def mixed_requests(batch: int, frames: int, prompt_frames: int, sampling: SamplingConfig) -> list[AudioRequest]:
+    """Half text-phase (asr), half audio-phase (continuation) rows, the same steps each."""
+    text = requests(batch - batch // 2, frames + 8, prompt_frames, sampling, "asr")  # + the audio's flush steps
+    return text + requests(batch // 2, frames, prompt_frames, sampling)
 
 
 def sized_model(hidden: int, layers: int, out: Path) -> Path:
@@ -166,7 +191,7 @@ async def main_async(args: argparse.Namespace) -> int:
         for name in args.sampling:
             rows = results[name] = []
             for b in args.batches:
-                reqs = requests(b, args.frames, args.prompt_frames, SAMPLINGS[name])
+                reqs = requests(b, args.frames, args.prompt_frames, SAMPLINGS[name], args.task)
                 await time_ours(ours, reqs[:1])  # warm both engines at this shape
                 await time_bare(bare, reqs[:1], f"warm{name}{b}")
                 o, w, r = [], [], []
@@ -180,13 +205,37 @@ async def main_async(args: argparse.Namespace) -> int:
                     f"reference {max(r):7.1f}   overhead {max(w) / max(o):.2f}   speedup {max(o) / max(r):.1f}",
                     flush=True,
                 )
+        if args.mixed:
+            mixed = await mixed_step_cost(ours, args)
     finally:
         ours.shutdown()
         bare.shutdown()
         tmp.cleanup()
     b, o, w, r = results[args.sampling[0]][-1]
-    print(f"overhead_vs_bare_vllm={w / o:.2f} speedup_vs_reference={o / r:.1f}")
+    print(f"task={args.task} overhead_vs_bare_vllm={w / o:.2f} speedup_vs_reference={o / r:.1f}"
+          + (f" mixed_vs_pure={mixed:.2f}" if args.mixed else ""))
     return 0
+
+
+async def mixed_step_cost(ours, args: argparse.Namespace) -> float:
+    """ms per engine step of pure-audio, pure-text and 50/50 batches (best of --repeats, alternating);
+    returns the largest batch's mixed / mean(pure) ratio."""
+    sampling = SAMPLINGS[args.sampling[0]]
+    ratio = 1.0
+    for b in args.batches:
+        if b < 2:
+            continue
+        kinds = {"audio": requests(b, args.frames, args.prompt_frames, sampling),
+                 "text": requests(b, args.frames + 8, args.prompt_frames, sampling, "asr"),
+                 "mixed": mixed_requests(b, args.frames, args.prompt_frames, sampling)}
+        best = {k: float("inf") for k in kinds}
+        for _ in range(args.repeats):
+            for k, reqs in kinds.items():  # one step runs every row once: step ms = 1000 * batch / (steps/s)
+                best[k] = min(best[k], 1000.0 * b / await time_ours(ours, reqs))
+        ratio = best["mixed"] / ((best["audio"] + best["text"]) / 2)
+        print(f"step cost, batch {b:3d}: pure audio {best['audio']:.2f} ms   pure text {best['text']:.2f} ms   "
+              f"50/50 mixed {best['mixed']:.2f} ms   mixed/mean(pure) {ratio:.2f}", flush=True)
+    return ratio
 
 
 def main() -> int:
@@ -198,6 +247,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sampling", nargs="+", choices=sorted(SAMPLINGS), default=["topk", "greedy"],
                    help="the first one gives the last line")
+    p.add_argument("--task", choices=("continuation", "asr", "tts"), default="continuation")
+    p.add_argument("--mixed", action="store_true", help="also the step cost of 50/50 text/audio batches")
     p.add_argument("--hidden", type=int, default=0, help="bench a random model of this hidden size")
     p.add_argument("--layers", type=int, default=8, help="with --hidden")
     p.add_argument("--threads", type=int, default=0,
