@@ -39,6 +39,22 @@ Semantics, from the docstrings of service_api.py, plus the fake's own definite c
   keeps its audio; `discard()` takes the exchange (and any exchanges dropped for it) back out, reopens
   the turn with that audio, and the next answer gets the index this one had (its audio is what it
   would have been without the speculation). Pushing audio while undecided raises RuntimeError.
+
+Text (engine/service.py's, with deterministic words; `FakeEngine(text_model=False)`: a model without a
+text tokenizer, `supports_text` False, and the text options and `add_user_text` raise `NoTextModel`):
+- `assistant_text`: the answer writes its text first, one word per step as chunks with `text_delta`,
+  empty pcm and duration 0, then its audio (without text). The text is `AnswerPlan.text`, or
+  `answer_text(conv_index, response_index)`. `output_audio=False`: no audio at all; the text, then
+  a last chunk with empty pcm and `is_last`. Without `assistant_text` an answer carries no text.
+- `transcribe_user`: `user_transcript()` yields `user_transcript_text(frames)` (the user audio the
+  exchange's user turn holds, as the engine got it) one word per step, beside the answer; nothing when
+  the turn holds no audio or transcription was not asked for. A cancel does not stop it (the engine's
+  does not), a discard or a close ends it; `AnswerPlan.transcript_fail_after=N` raises an
+  `EngineError` after N words.
+- `add_user_text(text)` ends the open audio turn and joins it: the exchange's user turn holds both
+  (its `HistoryTurn.text`). Empty text: ValueError.
+- Options are fixed per response at `respond()` (the engine reads them when the answer starts: the
+  gateway sets them before `respond()`); `output_audio=False` without `assistant_text`: ValueError.
 """
 
 from __future__ import annotations
@@ -61,6 +77,7 @@ from engine.service_api import (
     EngineHealth,
     EngineLoad,
     HistoryTurn,
+    NoTextModel,
     ResponseInProgress,
     Role,
 )
@@ -84,6 +101,16 @@ def ms_to_samples(ms: float) -> int:
     return int(round(ms * SAMPLES_PER_MS))
 
 
+def answer_text(conv_index: int, response_index: int) -> str:
+    """The text an answer writes (assistant_text) when the plan names none."""
+    return f"answer {response_index} of conversation {conv_index}"
+
+
+def user_transcript_text(frames: int) -> str:
+    """What the fake "hears" in a user turn of `frames` 20 ms frames: its length."""
+    return f"you spoke for {frames * int(FRAME_MS)} milliseconds"
+
+
 @dataclass(frozen=True)
 class AnswerPlan:
     """How the fake generates an answer: its length, pacing and failure."""
@@ -93,7 +120,8 @@ class AnswerPlan:
     step_s: float = 0.0  # wall time per chunk (0: one event-loop turn)
     fail_after_chunks: int | None = None
     deadline_offset_s: float = 0.5  # chunk deadline = first step + start_ms + this
-    text: str = ""  # the answers' transcript: one word per chunk, the rest on the last
+    text: str = ""  # assistant_text: the answers' text (""; answer_text()), one word per step before the audio
+    transcript_fail_after: int | None = None  # transcribe_user: the transcript fails after this many words
 
 
 class InjectedFailure(EngineError):
@@ -114,6 +142,7 @@ class TruncateCall:
 class _Turn:
     role: Role
     frames: int
+    text: str = ""  # a user turn: what the user typed (add_user_text)
     done: bool = True  # assistant turns are reserved at respond() and done when the response ends
     deleted: bool = False  # delete_turn(): out of `history`
 
@@ -136,6 +165,12 @@ class FakeResponseHandle:
         self.started_at: float | None = None  # time.monotonic() of the first step
         self.dropped_exchanges: tuple[str, ...] = ()
         self.plan = conv.plan  # fixed at respond()
+        self.options = conv.options  # fixed at respond() (what the gateway set before it)
+        self.text = ""  # the text it wrote (assistant_text)
+        self.user_frames = 0  # audio frames of the user turn it answers (what transcribe_user transcribes)
+        self.transcript: list[str] = []  # the transcript deltas yielded
+        self.transcript_status = "pending"  # pending -> running -> completed | failed | ended (discard, close)
+        self._transcript_iterated = False
         self.speculative = False  # undecided: confirm() or discard() is due
         self.discarded = False
         self._undo: tuple | None = None  # what discard() restores (set by the conversation)
@@ -164,6 +199,30 @@ class FakeResponseHandle:
             yield item
             if item.is_last:
                 return
+
+    def user_transcript(self) -> AsyncIterator[str]:
+        if self._transcript_iterated:
+            raise RuntimeError(f"user_transcript() of response {self.id} can be iterated once")
+        self._transcript_iterated = True
+        return self._user_transcript()
+
+    async def _user_transcript(self) -> AsyncIterator[str]:
+        if not self.options.transcribe_user or self.user_frames == 0:
+            self.transcript_status = "completed"
+            return
+        self.transcript_status = "running"
+        for k, word in enumerate(user_transcript_text(self.user_frames).split()):
+            await asyncio.sleep(self.plan.step_s)  # one engine step, beside the answer's
+            if self.discarded or self.conv.closed:
+                self.transcript_status = "ended"
+                return
+            if self.plan.transcript_fail_after is not None and k >= self.plan.transcript_fail_after:
+                self.transcript_status = "failed"
+                raise InjectedFailure(f"injected transcript failure after {k} words of response {self.id}")
+            delta = word if k == 0 else " " + word
+            self.transcript.append(delta)
+            yield delta
+        self.transcript_status = "completed"
 
     def cancel(self, played_ms: float) -> None:
         self.cancels.append(float(played_ms))
@@ -214,6 +273,50 @@ class FakeResponseHandle:
         return answer_pcm(self.conv.index, self.index, start, end - start)
 
     # ---- internals ----
+    async def _write_text(self) -> int:
+        """The answer's text, one word a step, as chunks without audio; returns the steps taken."""
+        words = (self.plan.text or answer_text(self.conv.index, self.index)).split()
+        for k, word in enumerate(words):
+            await asyncio.sleep(self.plan.step_s)
+            if self.cancelled:
+                return k
+            self._check_failure(k)
+            delta = word if k == 0 else " " + word
+            self.text += delta
+            self._deliver(AudioChunk(self.id, np.zeros(0, np.int16), 0.0, 0.0, time.monotonic(), text_delta=delta))
+        return len(words)
+
+    async def _speak(self, k: int) -> None:
+        """The answer's audio, `chunk_ms` a step; deadlines count from its first audio step (as the codec stage's)."""
+        total = ms_to_samples(self.plan.answer_ms)
+        per_chunk = max(1, ms_to_samples(self.plan.chunk_ms))
+        audio_t0 = time.monotonic()
+        while self.generated_samples < total:
+            await asyncio.sleep(self.plan.step_s)  # one engine step (0: one loop turn)
+            if self.cancelled:
+                break
+            self._check_failure(k)
+            start = self.generated_samples
+            n = min(per_chunk, total - start)
+            self.generated_samples += n
+            self._deliver(AudioChunk(
+                response_id=self.id,
+                pcm=answer_pcm(self.conv.index, self.index, start, n),
+                start_ms=start / SAMPLES_PER_MS,
+                duration_ms=n / SAMPLES_PER_MS,
+                deadline=audio_t0 + start / SAMPLE_RATE_HZ + self.plan.deadline_offset_s,
+                is_last=start + n >= total,
+            ))
+            k += 1
+
+    def _check_failure(self, k: int) -> None:
+        if self.plan.fail_after_chunks is not None and k >= self.plan.fail_after_chunks:
+            raise InjectedFailure(f"injected failure after {k} chunks of response {self.id}")
+
+    def _deliver(self, chunk: AudioChunk) -> None:
+        self.produced.append(chunk)
+        self._queue.put_nowait(chunk)
+
     def _cap(self, played_ms: float) -> None:
         frames = int(max(0.0, played_ms) // FRAME_MS) if played_ms != float("inf") else None
         if frames is not None:
@@ -233,35 +336,15 @@ class FakeResponseHandle:
                 return
             self.started, self.status = True, "generating"
             self.started_at = time.monotonic()
-            total = ms_to_samples(self.plan.answer_ms)
-            per_chunk = max(1, ms_to_samples(self.plan.chunk_ms))
-            words = self.plan.text.split()
             k = 0
-            while self.generated_samples < total:
-                await asyncio.sleep(self.plan.step_s)  # one engine step (0: one loop turn)
-                if self.cancelled:
-                    break
-                if self.plan.fail_after_chunks is not None and k >= self.plan.fail_after_chunks:
-                    raise InjectedFailure(f"injected failure after {k} chunks of response {self.id}")
-                start = self.generated_samples
-                n = min(per_chunk, total - start)
-                is_last = start + n >= total
-                text = " ".join(words[k:] if is_last else words[k : k + 1])
-                if text and k > 0:
-                    text = " " + text
-                chunk = AudioChunk(
-                    response_id=self.id,
-                    pcm=answer_pcm(self.conv.index, self.index, start, n),
-                    start_ms=start / SAMPLES_PER_MS,
-                    duration_ms=n / SAMPLES_PER_MS,
-                    deadline=self.started_at + start / SAMPLE_RATE_HZ + self.plan.deadline_offset_s,
-                    text_delta=text,
-                    is_last=is_last,
-                )
-                self.generated_samples += n
-                self.produced.append(chunk)
-                self._queue.put_nowait(chunk)
-                k += 1
+            if self.options.assistant_text:
+                k = await self._write_text()
+            if self.cancelled:
+                pass
+            elif self.options.output_audio:
+                await self._speak(k)
+            else:
+                self._deliver(AudioChunk(self.id, np.zeros(0, np.int16), 0.0, 0.0, time.monotonic(), is_last=True))
             self.status = "cancelled" if self.cancelled else "completed"
         except EngineError as e:
             self.status, self.error = "failed", e
@@ -270,7 +353,7 @@ class FakeResponseHandle:
             frames = self.generated_samples // SAMPLES_PER_FRAME
             if self._cap_frames is not None:
                 frames = min(frames, self._cap_frames)
-            self._turn.frames, self._turn.done = frames, True
+            self._turn.frames, self._turn.text, self._turn.done = frames, self.text, True
             self._ended.set()
             self._queue.put_nowait(_END)
 
@@ -290,6 +373,7 @@ class FakeConversation:
         self.handles: list[FakeResponseHandle] = []
         self.cancels: list[tuple[str, float]] = []
         self.truncates: list[TruncateCall] = []
+        self.user_texts: list[str] = []  # add_user_text() calls, in order
         self.options_updates: list[ConversationOptions] = []
         self.closed = False
         self.close_calls = 0
@@ -302,6 +386,7 @@ class FakeConversation:
     # ---- Conversation ----
     def update_options(self, options: ConversationOptions) -> None:
         self._check_open()
+        self.engine.check_text_options(options)
         self.calls.append(("update_options",))
         self.options_updates.append(options)
         self.options = options
@@ -324,6 +409,20 @@ class FakeConversation:
         self.calls.append(("end_turn",))
         self.end_turn_calls += 1
         self._end_turn()
+
+    def add_user_text(self, text: str) -> None:
+        self._check_open()
+        self._check_decided()
+        if not self.engine.text_model:
+            raise NoTextModel("this model has no text tokenizer: it reads and writes audio only")
+        if not text or not text.strip():
+            raise ValueError("a user text turn needs non-empty text")
+        self.calls.append(("add_user_text", text))
+        self.user_texts.append(text)
+        if self._open_user is not None or not self._user_since_answer:
+            self._end_turn()
+        turn = self._turns[-1]  # the exchange's user turn: typed text joins its audio
+        turn.text = f"{turn.text}\n{text}" if turn.text else text
 
     def _end_turn(self) -> None:
         if self._open_user is None:
@@ -351,12 +450,22 @@ class FakeConversation:
         index = sum(not x.discarded for x in self.handles)
         h = FakeResponseHandle(self, response_id, index, prev)
         h.speculative, h._undo = speculative, undo
+        h.user_frames = self._exchange_user_frames()
         h.dropped_exchanges = self._drop_exchanges()
         self._turns.append(h._turn)
         self._exchanges.append(h)
         self.handles.append(h)
         self._latest = h
         return h
+
+    def _exchange_user_frames(self) -> int:
+        """Audio frames of the user turns since the last answer: what this exchange's transcript covers."""
+        frames = 0
+        for t in reversed(self._turns):
+            if t.role is Role.ASSISTANT:
+                break
+            frames += t.frames
+        return frames
 
     def _undo_speculation(self, h: FakeResponseHandle) -> None:
         turns, exchanges, open_user, since, prev, n_user_turns = h._undo
@@ -441,7 +550,7 @@ class FakeConversation:
 
     @property
     def history(self) -> list[HistoryTurn]:
-        return [HistoryTurn(role=t.role, audio_frames=t.frames) for t in self._turns if t.done and not t.deleted]
+        return [HistoryTurn(role=t.role, audio_frames=t.frames, text=t.text) for t in self._turns if t.done and not t.deleted]
 
     # ---- for tests ----
     @property
@@ -467,8 +576,9 @@ class FakeEngine:
 
     def __init__(self, capacity: int = 4, *, answer_ms: float = 1000.0, chunk_ms: float = 80.0, step_s: float = 0.0,
                  fail_after_chunks: int | None = None, deadline_offset_s: float = 0.5, text: str = "",
-                 context_exchanges: int | None = None) -> None:
+                 context_exchanges: int | None = None, text_model: bool = True) -> None:
         self.capacity = capacity
+        self.text_model = text_model  # False: a model without a text tokenizer (supports_text False)
         self.context_exchanges = context_exchanges  # None: the history grows without bound
         self.plan = AnswerPlan(answer_ms, chunk_ms, step_s, fail_after_chunks, deadline_offset_s, text)
         self.ready = True
@@ -490,10 +600,23 @@ class FakeEngine:
         except AtCapacity:
             self.refused.append(session_id)
             raise
-        conv = FakeConversation(self, session_id, options or ConversationOptions(), len(self.opened))
+        options = options or ConversationOptions()
+        self.check_text_options(options)
+        conv = FakeConversation(self, session_id, options, len(self.opened))
         self.conversations[session_id] = conv
         self.opened.append(conv)
         return conv
+
+    @property
+    def supports_text(self) -> bool:
+        return self.text_model
+
+    def check_text_options(self, options: ConversationOptions) -> None:
+        """As the engine's: NoTextModel / ValueError for text options it cannot honour."""
+        if (options.transcribe_user or options.assistant_text) and not self.text_model:
+            raise NoTextModel("this model has no text tokenizer: it reads and writes audio only")
+        if not options.output_audio and not options.assistant_text:
+            raise ValueError("a text-only answer (output_audio False) needs assistant_text")
 
     def check_room(self) -> None:
         active = len(self.conversations) - len(self.suspended)

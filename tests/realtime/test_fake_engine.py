@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from fake_engine import FakeEngine, answer_pcm
+from fake_engine import AnswerPlan, FakeEngine, answer_pcm, answer_text, user_transcript_text
 
 from engine.service_api import (
     AtCapacity,
@@ -15,6 +15,7 @@ from engine.service_api import (
     ConversationOptions,
     EngineError,
     HistoryTurn,
+    NoTextModel,
     ResponseInProgress,
     Role,
 )
@@ -55,7 +56,7 @@ def test_a_full_answer_is_the_known_audio_in_order_and_the_history_keeps_it():
         assert all(c.response_id == "resp_a" and c.pcm.dtype == np.int16 for c in chunks)
         np.testing.assert_array_equal(np.concatenate([c.pcm for c in chunks]), answer_pcm(0, 0, 0, 8000))
         np.testing.assert_array_equal(h.expected_pcm(), answer_pcm(0, 0, 0, 8000))
-        assert "".join(c.text_delta for c in chunks) == "hello there friend"
+        assert all(c.text_delta == "" for c in chunks)  # no assistant_text asked: the answer writes none
         assert t0 <= chunks[0].deadline - 0.5 <= time.monotonic()
         assert chunks[3].deadline - chunks[0].deadline == pytest.approx(0.24)
         await h.wait_ended()
@@ -270,3 +271,88 @@ def test_options_updates_are_recorded():
     conv.update_options(ConversationOptions(top_k=5))
     assert conv.options.top_k == 5 and [o.top_k for o in conv.options_updates] == [5]
     assert conv.calls == [("update_options",)]
+
+
+async def answer_and_transcript(h) -> tuple[list, list[str]]:
+    return await asyncio.gather(collect(h), _all(h.user_transcript()))
+
+
+async def _all(it) -> list:
+    return [x async for x in it]
+
+
+def test_assistant_text_comes_first_without_audio_then_the_audio():
+    async def main():
+        eng = FakeEngine(answer_ms=200, chunk_ms=80, text="hello there friend")
+        conv = eng.open_conversation("s1", ConversationOptions(assistant_text=True))
+        user_turn(conv, 400)
+        chunks, transcript = await answer_and_transcript(conv.respond("r1"))
+        assert transcript == []  # not asked for
+        text = [c for c in chunks if c.text_delta]
+        assert [c.text_delta for c in text] == ["hello", " there", " friend"] and chunks[:3] == text
+        assert all(c.pcm.size == 0 and c.duration_ms == 0 and not c.is_last for c in text)
+        audio = chunks[3:]
+        assert [c.duration_ms for c in audio] == [80, 80, 40] and audio[-1].is_last and not any(c.text_delta for c in audio)
+        assert audio[0].deadline >= text[-1].deadline  # the audio's deadlines count from its own start
+        assert conv.history[-1] == HistoryTurn(Role.ASSISTANT, 10, "hello there friend")
+
+    run(main())
+
+
+def test_text_only_answers_and_typed_turns_and_the_users_transcript():
+    async def main():
+        eng = FakeEngine(answer_ms=200)
+        opts = ConversationOptions(assistant_text=True, output_audio=False, transcribe_user=True)
+        conv = eng.open_conversation("s1", opts)
+        user_turn(conv, 400)
+        chunks, transcript = await answer_and_transcript(conv.respond("r1"))
+        assert "".join(c.text_delta for c in chunks) == answer_text(0, 0)
+        assert all(c.pcm.size == 0 for c in chunks) and chunks[-1].is_last and chunks[-1].text_delta == ""
+        assert "".join(transcript) == user_transcript_text(20) == "you spoke for 400 milliseconds" and len(transcript) == 5
+        conv.push_user_audio(np.full(16 * 100, 5, np.int16))
+        conv.add_user_text("What time is it?")  # joins the open audio turn
+        chunks, transcript = await answer_and_transcript(conv.respond("r2"))
+        assert "".join(transcript) == user_transcript_text(5)
+        assert conv.history[2] == HistoryTurn(Role.USER, 5, "What time is it?")
+        conv.add_user_text("Only text.")
+        chunks, transcript = await answer_and_transcript(conv.respond("r3"))
+        assert transcript == [] and "".join(c.text_delta for c in chunks) == answer_text(0, 2)  # no audio: nothing to transcribe
+        with pytest.raises(ValueError):
+            conv.add_user_text("  ")
+
+    run(main())
+
+
+def test_the_transcript_goes_on_after_a_cancel_and_fails_when_told():
+    async def main():
+        eng = FakeEngine(answer_ms=2000, step_s=0.005)
+        conv = eng.open_conversation("s1", ConversationOptions(transcribe_user=True))
+        user_turn(conv, 200)
+        h = conv.respond("r1")
+        h.cancel(0.0)
+        assert "".join(await _all(h.user_transcript())) == user_transcript_text(10)
+        conv.plan = AnswerPlan(answer_ms=200, transcript_fail_after=2)
+        user_turn(conv, 200)
+        h2 = conv.respond("r2")
+        got = []
+        with pytest.raises(EngineError):
+            async for d in h2.user_transcript():
+                got.append(d)
+        assert len(got) == 2 and h2.transcript_status == "failed"
+
+    run(main())
+
+
+def test_a_model_without_text_refuses_text_options_and_typed_turns():
+    eng = FakeEngine(text_model=False)
+    assert not eng.supports_text and FakeEngine().supports_text
+    for opts in (ConversationOptions(transcribe_user=True), ConversationOptions(assistant_text=True)):
+        with pytest.raises(NoTextModel):
+            eng.open_conversation("x", opts)
+    conv = eng.open_conversation("s1")
+    with pytest.raises(NoTextModel):
+        conv.add_user_text("hello")
+    with pytest.raises(NoTextModel):
+        conv.update_options(ConversationOptions(transcribe_user=True))
+    with pytest.raises(ValueError):
+        FakeEngine().open_conversation("y", ConversationOptions(output_audio=False))
