@@ -104,6 +104,12 @@ class SessionSection:
     # chose (session.update's {"type": "retention_ratio", ...}, echoed back in that shape)
     truncation: str = "auto"
     retention_ratio: float = ENGINE_DEFAULTS.retention_ratio or DEFAULT_RETENTION_RATIO
+    # Audio answers write their text first and speak it (the model's text on
+    # response.output_audio_transcript.*), as the dialogue model was trained; the text's steps come
+    # before the first audio, so every answer starts later: off by default. Text-only answers
+    # (output_modalities ["text"]) write their text whatever this says. Needs a model with a text
+    # tokenizer (ignored, with a warning at start, without one).
+    assistant_text: bool = ENGINE_DEFAULTS.assistant_text
 
     def problems(self) -> list[tuple[str, str]]:
         """The settings the engine would refuse, as (field, why): session.update and the config refuse
@@ -126,7 +132,8 @@ class SessionSection:
         return ConversationOptions(system_prompt=self.instructions or None, speaker_prompt_pcm=voice_pcm.get(self.voice),
                                    temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
                                    cfg_scale=self.cfg_scale, max_response_ms=self.max_response_ms,
-                                   retention_ratio=None if self.truncation == "disabled" else self.retention_ratio)
+                                   retention_ratio=None if self.truncation == "disabled" else self.retention_ratio,
+                                   assistant_text=self.assistant_text)
 
 
 # The session settings the engine's options are made of (all but the server's voice table): a change
@@ -150,6 +157,11 @@ class TelephonySection:
     start_timeout_s: float = 10.0  # connected stream without a `start` for this long => closed
     ticket_ttl_s: float = 60.0  # the one-time stream token in the TwiML is valid this long
     max_message_bytes: int = 16 * 1024  # one Twilio message (theirs are < 1 KiB); larger closes the stream (1009)
+    # A call's text in the log at INFO (there is no client to send it to): the caller's turns as the
+    # model transcribes them (engine work beside each answer, no added latency) and the assistant's
+    # text when session.assistant_text is on. Needs a model with a text tokenizer. false: a call's
+    # words stay out of the logs.
+    transcripts: bool = True
     vad: VadParams = TELEPHONY_VAD  # turn detection of phone calls (a nested section: telephony.vad.threshold ...)
 
 

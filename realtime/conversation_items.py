@@ -1,12 +1,12 @@
 """The conversation's items as the client sees them (conversation.item.*), and parsing the items a
 client creates.
 
-The engine keeps audio turns only (the model has no text input yet: issue 21), so an item here is
-either in the engine's history (a user's audio turn, an assistant's answer: `in_engine`; deleting
-one goes through the session to the engine, and the engine drops the oldest to fit its context:
-`forget` either way) or held only here (text content, system messages). System messages' text
-becomes part of the session's instructions. Text content is kept and shown back, but not given to
-the model (docs/protocol.md documents this limitation).
+An item here is either in the engine's history (a user's turn, in audio or typed text with a model
+that reads text; an assistant's answer: `in_engine`; deleting one goes through the session to the
+engine, and the engine drops the oldest to fit its context: `forget` either way) or held only here
+(system messages, assistant text a client adds). System messages' text becomes part of the
+session's instructions. Assistant text a client adds is kept and shown back, but not given to the
+model: the engine takes user turns only (docs/protocol.md documents this limitation).
 """
 
 from __future__ import annotations
@@ -50,11 +50,16 @@ class Item:
 
 @dataclass
 class NewItem:
-    """A parsed conversation.item.create: the item, and its user audio (16 kHz) if it has any."""
+    """A parsed conversation.item.create: the item, and its user audio (16 kHz) and text if it has any."""
 
     item: Item
     pcm: np.ndarray | None
     previous_item_id: str | None
+    user_text: str = ""  # a user message's input_text parts, for the model to read (after its audio)
+
+    @property
+    def user_turn(self) -> bool:
+        return self.pcm is not None or bool(self.user_text)
 
 
 class ConversationItems:
@@ -89,8 +94,9 @@ class ConversationItems:
         return "\n".join(t for i in self._items.values() if i.role == "system" and (t := i.text()))
 
 
-def parse_new_item(ev: dict, input_format: WireFormat, new_id) -> NewItem:
-    """conversation.item.create -> NewItem, or ClientError naming the field refused."""
+def parse_new_item(ev: dict, input_format: WireFormat, new_id, text: bool = False) -> NewItem:
+    """conversation.item.create -> NewItem, or ClientError naming the field refused. `text`: the model reads
+    text (a user's input_text is a typed turn; without it, refused)."""
     p = "item."
     raw = get_field(ev, "item", dict, required=True)
     kind = get_field(raw, "type", str, prefix=p) or "message"
@@ -103,7 +109,7 @@ def parse_new_item(ev: dict, input_format: WireFormat, new_id) -> NewItem:
     if not 1 <= len(item_id) <= 64:
         raise ClientError("invalid_value", "'item.id' must be 1 to 64 characters", "item.id")
     content = get_field(raw, "content", list, required=True, prefix=p)
-    parts, audio = [], []
+    parts, audio, typed = [], [], []
     for i, part in enumerate(content):
         cp = f"item.content[{i}]."
         if not isinstance(part, dict):
@@ -119,13 +125,20 @@ def parse_new_item(ev: dict, input_format: WireFormat, new_id) -> NewItem:
                 audio.append(pcm)
             parts.append({"type": "input_audio", "transcript": get_field(part, "transcript", str, prefix=cp)})
         else:
-            text = get_field(part, "text", str, required=True, prefix=cp)
-            if len(text) > MAX_TEXT_CHARS:
+            value = get_field(part, "text", str, required=True, prefix=cp)
+            if len(value) > MAX_TEXT_CHARS:
                 raise ClientError("invalid_value", f"'{cp}text' is longer than {MAX_TEXT_CHARS} characters", cp + "text")
-            parts.append({"type": ptype, "text": text})
+            if role == "user":
+                if not text:
+                    raise unsupported(cp + "type", "'input_text' content: the model has no text tokenizer, it hears audio only")
+                if not value.strip():
+                    raise ClientError("invalid_value", f"'{cp}text' is empty: a typed user turn needs words", cp + "text")
+                typed.append(value)
+            parts.append({"type": ptype, "text": value})
     pcm = np.concatenate(audio) if audio else None
     prev = get_field(ev, "previous_item_id", str)
-    return NewItem(Item(item_id, role, parts, in_engine=pcm is not None), pcm, prev)
+    user_text = "\n".join(typed)
+    return NewItem(Item(item_id, role, parts, in_engine=pcm is not None or bool(user_text)), pcm, prev, user_text)
 
 
 def _decode_audio(b64: str | None, fmt: WireFormat, param: str) -> np.ndarray | None:

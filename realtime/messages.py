@@ -2,7 +2,7 @@
 
 Two lanes feed a session's loop (realtime/runner.py): client input (`ClientMessage`,
 `TransportAudio`, `LinkClosed`, `Attach`) is bounded — a client that floods waits or loses frames,
-counted — while the engine's output (`EngineChunk`, `EngineFailed`) and the server's own notices
+counted — while the engine's output (`EngineChunk`, `EngineFailed`, `UserTranscript*`) and the server's own notices
 (`VadReady`, `Shutdown`) never wait behind it.
 """
 
@@ -59,6 +59,22 @@ class EngineFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class UserTranscript:
+    """More of the user turn's transcript the engine writes beside the answer `response_id` (transcribe_user)."""
+
+    response_id: str
+    delta: str
+
+
+@dataclass(frozen=True, slots=True)
+class UserTranscriptEnd:
+    """The transcript is complete (`error` None) or failed."""
+
+    response_id: str
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class HistoryDropped:
     """The engine dropped these earlier responses' exchanges from the history to fit the model's context."""
 
@@ -88,7 +104,8 @@ class Shutdown:
     message: str
 
 
-Inbound = ClientMessage | TransportAudio | LinkClosed | Attach | EngineChunk | EngineFailed | HistoryDropped | VadReady | Throttled | Shutdown
+Inbound = (ClientMessage | TransportAudio | LinkClosed | Attach | EngineChunk | EngineFailed | UserTranscript | UserTranscriptEnd
+           | HistoryDropped | VadReady | Throttled | Shutdown)
 
 
 class CloseReason(Enum):

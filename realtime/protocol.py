@@ -29,11 +29,12 @@ from realtime import client_json
 from realtime.config import ENGINE_KEYS, SessionSection
 from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat
 from realtime.session import (
-    InputCleared, InputCommitted, ItemDeleted, ItemTruncated, OutputCleared, ResponseAudio, ResponseCreated, ResponseDone,
-    ResponseStatus, ResponseText, Session, SessionError, SpeechStarted, SpeechStopped, UserItemAdded, new_id,
+    InputCleared, InputCommitted, InputTranscriptDelta, InputTranscriptDone, InputTranscriptFailed, ItemDeleted, ItemTruncated,
+    OutputCleared, ResponseAudio, ResponseCreated, ResponseDone, ResponseStatus, ResponseText, Session, SessionError, SpeechStarted,
+    SpeechStopped, UserItemAdded, new_id,
 )
 from realtime.session_input import (
-    AddUserAudio, AudioIn, CancelRequested, ClearInput, ClearOutput, CommitInput, CreateResponse, DeleteItem, Played,
+    AddUserItem, AudioIn, CancelRequested, ClearInput, ClearOutput, CommitInput, CreateResponse, DeleteItem, Played,
     SessionInput, SetTurnDetection, TruncateItem,
 )
 from realtime.vad import VadParams
@@ -75,15 +76,23 @@ class SessionSettings(SessionSection):
     model: str = "duplex-opuslm"
     input_format: WireFormat = WireFormat.PCM16
     output_format: WireFormat = WireFormat.PCM16
+    output_modalities: tuple[str, ...] = ("audio",)  # ("text",): text-only answers
+    transcription: dict | None = None  # input transcription as echoed ({"model": ...}); None: off
     voice_pcm: dict = field(default_factory=dict, compare=False, repr=False)  # the server's voices, loaded: name -> 16 kHz PCM
 
     @classmethod
     def of(cls, defaults: SessionSection, voice_pcm: dict) -> SessionSettings:
         return cls(**{f.name: getattr(defaults, f.name) for f in fields(SessionSection)}, voice_pcm=voice_pcm)
 
-    def engine_options(self) -> ConversationOptions:
-        return super().engine_options(self.voice_pcm)
+    def engine_options(self, output_modalities: tuple[str, ...] | None = None) -> ConversationOptions:
+        """`output_modalities`: one answer's own (response.create), else the session's."""
+        text_only = (output_modalities or self.output_modalities) == ("text",)
+        return replace(super().engine_options(self.voice_pcm), transcribe_user=self.transcription is not None,
+                       assistant_text=self.assistant_text or text_only, output_audio=not text_only)
 
+
+# the settings the engine's options are made of: a change to one must reach the conversation
+_ENGINE_KEYS = (*ENGINE_KEYS, "output_modalities", "transcription")
 
 _MAX_MS = 24 * 3600 * 1000.0  # a day of audio: beyond any answer's or turn's length
 
@@ -91,12 +100,16 @@ _MAX_MS = 24 * 3600 * 1000.0  # a day of audio: beyond any answer's or turn's le
 class RealtimeProtocol:
     def __init__(self, session: Session, limits: ProtocolLimits | None = None, settings: SessionSettings | None = None,
                  opus: OpusOutput | None = None, resume: ResumeOffer | None = None, audio_out_of_band: bool = False,
-                 extensions: bool = False) -> None:
+                 extensions: bool = False, text_model: bool = False) -> None:
         """`audio_out_of_band`: the answer's audio does not travel in events (WebRTC: the transport plays it
         on its media track); each answer's audio is bracketed by output_audio_buffer.started/stopped.
         `extensions`: the client opted in to our additions from the start (`?duplex=1`); else a
-        `duplex` field in session.update opts in. Until then it sees only Realtime API events and fields."""
+        `duplex` field in session.update opts in. Until then it sees only Realtime API events and fields.
+        `text_model`: the engine's model reads and writes text (EngineLike.supports_text): input transcription,
+        text-only answers and typed user turns are honoured; without it they are refused by name."""
         self.extensions = extensions
+        self.text_model = text_model
+        self._text_answers: set[str] = set()  # responses answering in text only (output_text events)
         self.opus = opus or OpusOutput()
         self.resume = resume
         self.audio_out_of_band = audio_out_of_band
@@ -178,8 +191,8 @@ class RealtimeProtocol:
         return json.dumps({"type": "session.resumed", "event_id": f"event_{next(self._event_ids)}", "session": self._session_object(),
                            "last_seq": last_seq, "replayed": replayed, "missed": missed}, separators=(",", ":"))
 
-    def engine_options(self) -> ConversationOptions:
-        return replace(self.settings, instructions=self._instructions()).engine_options()
+    def engine_options(self, output_modalities: tuple[str, ...] | None = None) -> ConversationOptions:
+        return replace(self.settings, instructions=self._instructions()).engine_options(output_modalities)
 
     def take_engine_options(self) -> ConversationOptions | None:
         if not self.settings_changed:
@@ -257,19 +270,21 @@ class RealtimeProtocol:
         self._inputs.append(ClearInput(_event_id(ev)))
 
     def _on_response_create(self, ev: dict, now: float) -> None:
-        req = parse_response_request(_get(ev, "response", dict), self._instructions(), self.settings.voice, self.settings.temperature)
-        self._inputs.append(CreateResponse(_event_id(ev), req.metadata))
+        req = parse_response_request(_get(ev, "response", dict), self._instructions(), self.settings.voice, self.settings.temperature,
+                                     self.text_model)
+        own = req.output_modalities if req.output_modalities not in (None, self.settings.output_modalities) else None
+        self._inputs.append(CreateResponse(_event_id(ev), req.metadata, own))
 
     # ---- conversation items ----
     def _on_item_create(self, ev: dict, now: float) -> None:
-        new = parse_new_item(ev, self.settings.input_format, new_id)
+        new = parse_new_item(ev, self.settings.input_format, new_id, self.text_model)
         if new.item.id in self._items or new.item.id in self._pending_items:
             raise ClientError("item_already_exists", f"an item {new.item.id!r} already exists", "item.id")
-        if new.pcm is not None:  # a user turn: the session adds it (or refuses it: a turn or answer in progress)
+        if new.user_turn:  # audio or typed text: the session adds it (or refuses it: a turn or answer in progress)
             self._pending_items[new.item.id] = new.item
-            self._inputs.append(AddUserAudio(new.item.id, new.pcm, _event_id(ev)))
+            self._inputs.append(AddUserItem(new.item.id, new.pcm, new.user_text, _event_id(ev)))
             return
-        self._items.put(new.item)  # text only: kept here; the model has no text input yet (issue 21)
+        self._items.put(new.item)  # system messages, assistant text: kept here (the engine takes user turns only)
         if new.item.role == "system":
             self.settings_changed = True  # its text joins the instructions
         prev = new.previous_item_id or self._last_item_id
@@ -328,7 +343,7 @@ class RealtimeProtocol:
         self._initial_config = cfg
 
     def _apply_update(self, cfg: dict, event_id: str | None) -> tuple[list[ClientError], bool]:
-        upd = parse_session_update(cfg, self.settings, self.turn_detection, self._audio_started)
+        upd = parse_session_update(cfg, self.settings, self.turn_detection, self._audio_started, self.text_model)
         opted_in_now = upd.opted_in and not self.extensions
         self.extensions |= upd.opted_in
         if upd.turn_detection_changed:
@@ -337,7 +352,7 @@ class RealtimeProtocol:
         s = replace(self.settings, **upd.changes)
         if s.input_format != self.settings.input_format:
             self._decoder = InputDecoder(s.input_format)
-        self.settings_changed |= any(getattr(s, k) != getattr(self.settings, k) for k in ENGINE_KEYS)
+        self.settings_changed |= any(getattr(s, k) != getattr(self.settings, k) for k in _ENGINE_KEYS)
         output_changed = s.output_format != self.settings.output_format
         self.settings = s
         if output_changed:
@@ -380,15 +395,18 @@ class RealtimeProtocol:
 
     def _send_response_created(self, ev: ResponseCreated) -> None:
         self._encoder.reset()
+        text = (ev.output_modalities or self.settings.output_modalities) == ("text",)
+        if text:
+            self._text_answers.add(ev.response_id)
         self._emit("response.created", response=self._response_object(ev.response_id, "in_progress", None, [], ev.metadata),
                    **self._ours(epoch=ev.epoch))
-        item = self._assistant_item(ev.item_id, "in_progress", "")
+        item = self._assistant_item(ev.item_id, "in_progress", "", text)
         self._items.put(Item(ev.item_id, "assistant", item["content"], in_engine=True, status="in_progress"))
         self._last_item_id = ev.item_id
         self._emit("response.output_item.added", response_id=ev.response_id, output_index=0, item=item)
         self._emit("conversation.item.added", previous_item_id=None, item=item)
         self._emit("response.content_part.added", response_id=ev.response_id, item_id=ev.item_id, output_index=0,
-                   content_index=0, part={"type": "audio", "transcript": ""})
+                   content_index=0, part=_part(text, ""))
 
     def _send_audio(self, ev: ResponseAudio) -> None:
         self._audio_started = True
@@ -411,8 +429,32 @@ class RealtimeProtocol:
                        content_index=0, delta=base64.b64encode(f).decode("ascii"), **self._ours(epoch=epoch))
 
     def _send_text(self, ev: ResponseText) -> None:
-        self._emit("response.output_audio_transcript.delta", response_id=ev.response_id, item_id=ev.item_id,
-                   output_index=0, content_index=0, delta=ev.delta)
+        kind = "response.output_text.delta" if ev.response_id in self._text_answers else "response.output_audio_transcript.delta"
+        self._emit(kind, response_id=ev.response_id, item_id=ev.item_id, output_index=0, content_index=0, delta=ev.delta)
+
+    def _send_transcript_delta(self, ev: InputTranscriptDelta) -> None:
+        self._emit("conversation.item.input_audio_transcription.delta", item_id=ev.item_id,
+                   content_index=self._audio_part(ev.item_id), delta=ev.delta)
+
+    def _send_transcript_done(self, ev: InputTranscriptDone) -> None:
+        index = self._audio_part(ev.item_id)
+        if ev.item_id in self._items:  # conversation.item.retrieve shows it from now on
+            self._items.get(ev.item_id).content[index]["transcript"] = ev.transcript
+        # usage: the audio the model heard (no tokens are billed here)
+        self._emit("conversation.item.input_audio_transcription.completed", item_id=ev.item_id, content_index=index,
+                   transcript=ev.transcript, usage={"type": "duration", "seconds": round(ev.audio_ms / 1000.0, 3)})
+
+    def _send_transcript_failed(self, ev: InputTranscriptFailed) -> None:
+        self._emit("conversation.item.input_audio_transcription.failed", item_id=ev.item_id,
+                   content_index=self._audio_part(ev.item_id),
+                   error={"type": "server_error", "code": ev.code, "message": ev.message, "param": None})
+
+    def _audio_part(self, item_id: str) -> int:
+        """The index of the item's (last) input_audio part: what its transcript belongs to."""
+        if item_id not in self._items:
+            return 0
+        content = self._items.get(item_id).content
+        return max((i for i, c in enumerate(content) if c.get("type") == "input_audio"), default=0)
 
     def _send_output_cleared(self, ev: OutputCleared) -> None:
         self._encoder.reset()
@@ -427,20 +469,24 @@ class RealtimeProtocol:
 
     def _send_done(self, ev: ResponseDone) -> None:
         status = {ResponseStatus.COMPLETED: "completed", ResponseStatus.CANCELLED: "cancelled", ResponseStatus.FAILED: "failed"}[ev.status]
-        if ev.status is ResponseStatus.COMPLETED:
+        text = ev.response_id in self._text_answers
+        self._text_answers.discard(ev.response_id)
+        ids = {"response_id": ev.response_id, "item_id": ev.item_id, "output_index": 0, "content_index": 0}
+        if ev.status is ResponseStatus.COMPLETED and text:
+            self._emit("response.output_text.done", **ids, text=ev.transcript)
+        elif ev.status is ResponseStatus.COMPLETED:
             self._send_frames(ev.response_id, ev.item_id, ev.epoch, self._encoder.flush())
-            self._emit("response.output_audio.done", response_id=ev.response_id, item_id=ev.item_id, output_index=0, content_index=0)
-            self._emit("response.output_audio_transcript.done", response_id=ev.response_id, item_id=ev.item_id,
-                       output_index=0, content_index=0, transcript=ev.transcript)
-            self._emit("response.content_part.done", response_id=ev.response_id, item_id=ev.item_id, output_index=0,
-                       content_index=0, part={"type": "audio", "transcript": ev.transcript})
+            self._emit("response.output_audio.done", **ids)
+            self._emit("response.output_audio_transcript.done", **ids, transcript=ev.transcript)
+        if ev.status is ResponseStatus.COMPLETED:
+            self._emit("response.content_part.done", **ids, part=_part(text, ev.transcript))
         item_status = "completed" if ev.status is ResponseStatus.COMPLETED else "incomplete"
-        item = self._assistant_item(ev.item_id, item_status, ev.transcript)
+        item = self._assistant_item(ev.item_id, item_status, ev.transcript, text)
         self._items.put(Item(ev.item_id, "assistant", item["content"], in_engine=True, status=item_status))
         self._emit("response.output_item.done", response_id=ev.response_id, output_index=0, item=item)
         self._emit("conversation.item.done", previous_item_id=None, item=item)
         details = None if ev.reason is None else {"type": status, "reason": ev.reason}
-        resp = self._response_object(ev.response_id, status, details, [item], ev.metadata)
+        resp = self._response_object(ev.response_id, status, details, [item], ev.metadata, text)
         if self.extensions:
             resp["duplex"] = {"epoch": ev.epoch, "audio_ms": round(ev.audio_ms, 1), "played_ms": round(ev.played_ms, 1),
                               "ttfa_ms": None if ev.ttfa_ms is None else round(ev.ttfa_ms, 1),
@@ -451,7 +497,8 @@ class RealtimeProtocol:
         SpeechStarted: _send_speech_started, SpeechStopped: _send_speech_stopped, InputCommitted: _send_committed,
         InputCleared: _send_cleared, UserItemAdded: _send_user_item, ResponseCreated: _send_response_created, ResponseAudio: _send_audio,
         ResponseText: _send_text, OutputCleared: _send_output_cleared, ItemTruncated: _send_truncated, ItemDeleted: _send_deleted,
-        ResponseDone: _send_done,
+        ResponseDone: _send_done, InputTranscriptDelta: _send_transcript_delta, InputTranscriptDone: _send_transcript_done,
+        InputTranscriptFailed: _send_transcript_failed,
     }
     _HANDLERS = {
         "session.update": _on_session_update,
@@ -473,8 +520,8 @@ class RealtimeProtocol:
         s = self.settings
         obj = {
             "type": "realtime", "object": "realtime.session", "id": self.session_id, "model": s.model,
-            "output_modalities": ["audio"], "instructions": s.instructions,
-            "audio": {"input": {"format": s.input_format.to_wire(), "transcription": None, "noise_reduction": None,
+            "output_modalities": list(s.output_modalities), "instructions": s.instructions,
+            "audio": {"input": {"format": s.input_format.to_wire(), "transcription": s.transcription, "noise_reduction": None,
                                 "turn_detection": echo_turn_detection(self.turn_detection, self._turn_detection_wire, self.extensions)},
                       "output": {"format": s.output_format.to_wire(), "voice": s.voice, "speed": 1.0}},
             "tools": [], "tool_choice": "auto", "max_output_tokens": "inf", "tracing": None, "truncation": self._truncation_wire(),
@@ -483,7 +530,10 @@ class RealtimeProtocol:
         if self.extensions:
             obj["duplex"] = {"top_k": s.top_k, "top_p": s.top_p, "seed": s.seed, "cfg_scale": s.cfg_scale,
                              "temperature": s.temperature, "max_response_ms": s.max_response_ms,
-                             "lead_ms": self.lead_ms, "binary_opus": True, "voices": ["default", *s.voice_pcm]}
+                             "lead_ms": self.lead_ms, "binary_opus": True, "voices": ["default", *s.voice_pcm],
+                             # the model reads and writes text (transcription, text answers, typed turns);
+                             # audio answers carry the model's text (the server's session.assistant_text)
+                             "text": self.text_model, "assistant_text": s.assistant_text}
         return obj
 
     def _truncation_wire(self) -> str | dict:
@@ -493,17 +543,20 @@ class RealtimeProtocol:
         return s.truncation
 
     @staticmethod
-    def _assistant_item(item_id: str, status: str, transcript: str) -> dict:
+    def _assistant_item(item_id: str, status: str, transcript: str, text: bool = False) -> dict:
+        content = {"type": "output_text", "text": transcript} if text else {"type": "output_audio", "transcript": transcript}
         return {"id": item_id, "object": "realtime.item", "type": "message", "status": status, "role": "assistant",
-                "content": [{"type": "output_audio", "transcript": transcript}]}
+                "content": [content]}
 
     def _ours(self, **fields) -> dict:
         """Fields of ours on a standard event: only for clients that opted in (strict clients reject them)."""
         return fields if self.extensions else {}
 
-    def _response_object(self, response_id: str, status: str, details: dict | None, output: list, metadata: dict | None = None) -> dict:
+    def _response_object(self, response_id: str, status: str, details: dict | None, output: list, metadata: dict | None = None,
+                         text: bool | None = None) -> dict:
+        text = response_id in self._text_answers if text is None else text
         return {"id": response_id, "object": "realtime.response", "status": status, "status_details": details,
-                "output": output, "output_modalities": ["audio"], "conversation_id": self.session_id,
+                "output": output, "output_modalities": ["text" if text else "audio"], "conversation_id": self.session_id,
                 "audio": {"output": {"format": self.settings.output_format.to_wire(), "voice": self.settings.voice}},
                 "usage": None, "metadata": metadata}
 
@@ -519,6 +572,12 @@ class _NoWireAudio:
 
     def reset(self) -> None:
         pass
+
+
+def _part(text: bool, content: str) -> dict:
+    """The content part of response.content_part.added/done: the SDK's Part types them "text" and "audio"
+    (the item's content says output_text / output_audio)."""
+    return {"type": "text", "text": content} if text else {"type": "audio", "transcript": content}
 
 
 def _one_error(errors: list[ClientError]) -> ClientError:

@@ -1,15 +1,17 @@
 """`response.create`'s `response` object: what this server can honour per response.
 
-The engine answers within the conversation, in audio, with the session's settings; so a request for
-anything else (out-of-band answers, text-only output, tools, per-response instructions or voice) is
-refused whole with an `error` naming the field, rather than answered as if it had been honoured.
-`metadata` is the client's tag of the response, echoed in response.created / response.done.
+The engine answers within the conversation with the session's settings; so a request for anything
+else (out-of-band answers, tools, per-response instructions or voice) is refused whole with an `error`
+naming the field, rather than answered as if it had been honoured. `output_modalities` is honoured
+per response (["text"]: a text-only answer, with a model that has text). `metadata` is the client's
+tag of the response, echoed in response.created / response.done.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from realtime.session_update import parse_modalities
 from realtime.wire_fields import ClientError, get_field, unsupported
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on response metadata
@@ -22,10 +24,12 @@ _KNOWN = {"conversation", "metadata", "instructions", "output_modalities", "moda
 @dataclass(frozen=True)
 class ResponseRequest:
     metadata: dict | None = None
+    output_modalities: tuple[str, ...] | None = None  # as asked; None: the session's
 
 
-def parse_response_request(resp: dict | None, instructions: str, voice: str, temperature: float) -> ResponseRequest:
-    """`instructions`, `voice`, `temperature`: the session's (a per-response value equal to them is accepted)."""
+def parse_response_request(resp: dict | None, instructions: str, voice: str, temperature: float, text: bool = False) -> ResponseRequest:
+    """`instructions`, `voice`, `temperature`: the session's (a per-response value equal to them is accepted);
+    `text`: the model reads and writes text (a text-only answer can be asked for)."""
     if resp is None:
         return ResponseRequest()
     p = "response."
@@ -34,9 +38,10 @@ def parse_response_request(resp: dict | None, instructions: str, voice: str, tem
             raise ClientError("unknown_parameter", f"unknown parameter 'response.{key}'", p + key)
     if resp.get("conversation") not in (None, "auto", "default"):
         raise unsupported(p + "conversation", "out-of-band responses: the model answers within the conversation ('auto')")
+    modalities = None
     for key in ("output_modalities", "modalities"):
-        if (m := resp.get(key)) is not None and not (isinstance(m, list) and "audio" in m):
-            raise unsupported(p + key, "the model answers in audio (with its transcript): use ['audio']")
+        if resp.get(key) is not None:
+            modalities = parse_modalities(resp[key], p + key, beta=key == "modalities", text=text)
     if resp.get("tools"):
         raise unsupported(p + "tools", "OpusLM has no function calling")
     if resp.get("tool_choice") not in (None, "auto", "none"):
@@ -58,7 +63,7 @@ def parse_response_request(resp: dict | None, instructions: str, voice: str, tem
         raise unsupported(p + "audio.output.format", "the output format is per session here: send it with session.update")
     if (t := get_field(resp, "temperature", (int, float), prefix=p)) is not None and t != temperature:
         raise unsupported(p + "temperature", "sampling settings are per session here: send them with session.update")
-    return ResponseRequest(_metadata(get_field(resp, "metadata", dict, prefix=p)))
+    return ResponseRequest(_metadata(get_field(resp, "metadata", dict, prefix=p)), modalities)
 
 
 def _metadata(md: dict | None) -> dict | None:

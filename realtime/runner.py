@@ -40,13 +40,13 @@ from realtime.config import LimitsSection
 from realtime.link import Link
 from realtime.messages import (
     Attach, ClientMessage, CloseReason, Closing, EngineChunk, EngineFailed, HistoryDropped, Inbound, LinkClosed, Shutdown,
-    Throttled, TransportAudio, VadReady,
+    Throttled, TransportAudio, UserTranscript, UserTranscriptEnd, VadReady,
 )
 from realtime.metrics import GatewayMetrics
 from realtime.resume import ReplayBuffer, ResumeRefused
 from realtime.session import (
-    CancelResponse, ConfirmResponse, DeleteTurn, DiscardResponse, EndTurn, OutputCleared, PushAudio, ResponseAudio, ResponseDone,
-    Session, SessionError, SessionStats, StartResponse, TruncateResponse,
+    AddUserText, CancelResponse, ConfirmResponse, DeleteTurn, DiscardResponse, EndTurn, OutputCleared, PushAudio, ResponseAudio,
+    ResponseDone, Session, SessionError, SessionStats, StartResponse, TruncateResponse,
 )
 from realtime.input_budget import InputBudget
 from realtime.session_input import SessionInput, apply_inputs, rate_error
@@ -98,6 +98,10 @@ class WireProtocol(Protocol):
     def data_to_send(self) -> list[str | bytes]: ...
 
     def error(self, code: str, message: str) -> None: ...
+
+    def engine_options(self, output_modalities: tuple[str, ...] | None = None) -> ConversationOptions:
+        """The engine options of the session's settings; of one answer's, when response.create asked it
+        for other output modalities."""
 
     def take_engine_options(self) -> ConversationOptions | None:
         """New engine options when the client changed them since the last call, else None."""
@@ -221,6 +225,11 @@ class SessionRunner:
         self._audio_out = audio_out
         self.budget = InputBudget(lim.input, self._started)
         self.suspended = False  # detached between answers: the engine slot is given back until a resume
+        # The engine reads a conversation's options when an answer starts, so they are set before each
+        # respond(): the session's, or those of the answer's own output modalities (response.create).
+        self._options = proto.engine_options()  # the session's (what the conversation was opened with)
+        self._applied = self._options  # what the conversation has now
+        self._override: tuple[str, ...] | None = None  # the latest answer's own output modalities
 
     async def run(self) -> None:
         self.task = asyncio.current_task()
@@ -510,12 +519,20 @@ class SessionRunner:
                 self._client_input(lambda: self.proto.receive(data, now), now)
                 if (options := self.proto.take_engine_options()) is not None:
                     self.session.discard_speculation()  # it answers with the old settings
-                    self.conv.update_options(options)  # applies from the conversation's next response on
+                    self._options = options  # applies from the conversation's next response on (an answer's own kept)
+                    self._use_options(options if self._override is None else self.proto.engine_options(self._override))
             case TransportAudio(pcm):
                 self._last_client = now
                 self._client_input(lambda: self.proto.receive_audio(pcm, now), now)
             case EngineChunk(rid, chunk):
                 self.session.receive_engine_chunk(rid, chunk.pcm, chunk.text_delta, chunk.is_last, chunk.deadline, now)
+            case UserTranscript(rid, delta):
+                self.session.receive_user_transcript(rid, delta)
+            case UserTranscriptEnd(rid, error):
+                if error is None:
+                    self.session.receive_user_transcript_end(rid)
+                else:
+                    self.session.receive_user_transcript_end(rid, getattr(error, "code", "engine_error"), str(error))
             case HistoryDropped(rids, for_response):
                 self.session.receive_history_dropped(rids, for_response)
             case EngineFailed(rid, error):
@@ -562,11 +579,16 @@ class SessionRunner:
                     self.conv.push_user_audio(pcm)
                 case EndTurn():
                     self.conv.end_user_turn()
-                case StartResponse(rid, speculative):
+                case AddUserText(text):
+                    self.conv.add_user_text(text)
+                case StartResponse(rid, speculative, modalities):
+                    self._override = modalities
+                    options = self._options if modalities is None else self.proto.engine_options(modalities)
+                    self._use_options(options)
                     self._latest = handle = self.conv.respond(rid, speculative=speculative)
-                    pump = asyncio.create_task(self._pump(handle))
-                    self._pumps.add(pump)
-                    pump.add_done_callback(self._pumps.discard)
+                    answer = self._start_pump(self._pump(handle))
+                    if options.transcribe_user:
+                        self._start_pump(self._pump_transcript(handle, answer))
                 case ConfirmResponse(rid):
                     if self._latest is not None and self._latest.id == rid:
                         self._latest.confirm()
@@ -583,7 +605,19 @@ class SessionRunner:
                 case DeleteTurn(rid, role):
                     self.conv.delete_turn(rid, role)
 
-    async def _pump(self, handle: ResponseHandle) -> None:
+    def _use_options(self, options: ConversationOptions) -> None:
+        if options is not self._applied:
+            self.conv.update_options(options)
+            self._applied = options
+
+    def _start_pump(self, coro) -> asyncio.Task:
+        pump = asyncio.create_task(coro)
+        self._pumps.add(pump)
+        pump.add_done_callback(self._pumps.discard)
+        return pump
+
+    async def _pump(self, handle: ResponseHandle) -> BaseException | None:
+        """The answer's chunks -> the server lane; returns its failure, if it failed."""
         dropped_told = False
 
         def tell_dropped() -> None:  # the handle's `dropped_exchanges` is final by its first chunk or its end
@@ -603,6 +637,27 @@ class SessionRunner:
             log.warning("session %s response %s failed: %s", self.id, handle.id, e)
             tell_dropped()
             self.inbox.put_server(EngineFailed(handle.id, e))
+            return e
+        return None
+
+    async def _pump_transcript(self, handle: ResponseHandle, answer: asyncio.Task) -> None:
+        """The user turn's transcript, written beside the answer -> the server lane. One that ends empty
+        waits for the answer: when the answer failed before the transcript could be written, the
+        transcript failed with it (else it is empty)."""
+        error: BaseException | None = None
+        try:
+            written = False
+            async for delta in handle.user_transcript():
+                written = True
+                self.inbox.put_server(UserTranscript(handle.id, delta))
+            if not written:
+                error = await answer
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the transcript fails alone: the answer goes on
+            log.warning("session %s: the user transcript of response %s failed: %s", self.id, handle.id, e)
+            error = e
+        self.inbox.put_server(UserTranscriptEnd(handle.id, error))
 
     def _flush(self) -> None:
         for msg in self.proto.data_to_send():

@@ -15,6 +15,7 @@ what it needs from `TransportContext`, and they share one admission path (realti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -45,6 +46,10 @@ class Gateway:
     def __init__(self, engine: EngineLike, config: ServerConfig, token: str | None = None, voices: dict | None = None) -> None:
         """`voices`: `config.session.voices` already loaded (`load_voices`), else they are loaded here."""
         self.engine = engine
+        if config.session.assistant_text and not engine.supports_text:
+            # every session would be refused by the engine (NoTextModel): serve audio answers without text instead
+            log.warning("config session.assistant_text is on, but the model has no text tokenizer: answers carry no text")
+            config = dataclasses.replace(config, session=dataclasses.replace(config.session, assistant_text=False))
         self.config = config
         self.auth = TokenAuth(token if token is not None else config.server.token)
         self.metrics = GatewayMetrics()

@@ -35,6 +35,7 @@ import numpy as np
 from engine.service_api import SAMPLE_RATE_HZ, Role
 
 from realtime.pacing import Pacer
+from realtime.user_transcript import InputTranscriptDelta, InputTranscriptDone, InputTranscriptFailed, UserTranscript
 from realtime.vad import ServerVad, SileroVad, VadParams, run_silero
 
 RATE_HZ = SAMPLE_RATE_HZ  # the engine-side rate: user audio in, the answer out
@@ -100,6 +101,7 @@ class ResponseCreated:
     item_id: str
     epoch: int
     metadata: dict | None = None  # the client's tag of the response, echoed back (opaque here)
+    output_modalities: tuple[str, ...] | None = None  # what response.create asked for this one; None: the session's
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,8 @@ class ItemDeleted:
 
 SessionEvent = (
     SpeechStarted | SpeechStopped | InputCommitted | InputCleared | UserItemAdded | ResponseCreated | ResponseAudio
-    | ResponseText | ResponseDone | OutputCleared | ItemTruncated | ItemDeleted
+    | ResponseText | ResponseDone | OutputCleared | ItemTruncated | ItemDeleted | InputTranscriptDelta | InputTranscriptDone
+    | InputTranscriptFailed
 )
 
 
@@ -172,9 +175,17 @@ class EndTurn:
 
 
 @dataclass(frozen=True)
+class AddUserText:
+    """A typed user turn (conv.add_user_text): it ends the open audio turn, if any, and joins it."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class StartResponse:
     response_id: str
     speculative: bool = False  # the user's turn is still open: the engine forks it (conv.respond(speculative=True))
+    output_modalities: tuple[str, ...] | None = None  # response.create's for this answer (the engine's options for it); None: the session's
 
 
 @dataclass(frozen=True)
@@ -216,7 +227,7 @@ class DeleteTurn:
 
 
 EngineCommand = (
-    PushAudio | EndTurn | StartResponse | ConfirmResponse | DiscardResponse | CancelResponse | TruncateResponse | DeleteTurn
+    PushAudio | EndTurn | AddUserText | StartResponse | ConfirmResponse | DiscardResponse | CancelResponse | TruncateResponse | DeleteTurn
 )
 
 
@@ -249,7 +260,9 @@ class Response:
     speculative: bool = False  # started at a pause, not yet confirmed: nothing of it is sent
     confirmed_at: float | None = None  # a speculative response: when the turn's end was confirmed
     dropped: tuple[str, ...] = ()  # context management's drops for a speculative response, told at confirmation
-    first_chunk_at: float | None = None  # when the engine's first chunk arrived
+    first_chunk_at: float | None = None  # when the engine's first audio chunk arrived (its deadlines count from it)
+    output_modalities: tuple[str, ...] | None = None  # response.create's; None: the session's
+    user_transcript: UserTranscript = field(default_factory=UserTranscript)  # the user turn's, as the model writes it
     deadline_shift_s: float = 0.0  # a confirmed speculation plays from its confirmation, not its first chunk: the engine's deadlines move
 
 
@@ -301,6 +314,8 @@ class Session:
         self.speculation: Response | None = None  # the answer started at the pause, not confirmed yet
         self._discarded: set[str] = set()  # speculations taken back: the engine restored what they dropped
         self._user_item: str | None = None  # the user item being spoken / buffered
+        self._turn_audio_item: str | None = None  # the last audio item since the last response: its transcript's
+        self._turn_audio_samples = 0  # the user audio of the items since the last response
         self._last_item: str | None = None
         self._speech_end_time: float | None = None  # monotonic end of the last committed user speech
         self._epoch = 0
@@ -551,34 +566,39 @@ class Session:
         if end_turn:
             self._commands.append(EndTurn(item))
         self._turn_items.append(item)
+        self._turn_audio_item = item
+        self._turn_audio_samples += self._pushed_samples
         self._events.append(InputCommitted(item, self._last_item))
         self._last_item, self._user_item, self._pushed_samples = item, None, 0
         self._speech_end_time = speech_end_time
 
     # ---- responses ----
-    def receive_user_item(self, item_id: str, pcm: np.ndarray) -> None:
-        """conversation.item.create of a user audio message: a whole user turn in the history, no answer
-        (the client asks for one with response.create)."""
+    def receive_user_item(self, item_id: str, pcm: np.ndarray | None, text: str = "") -> None:
+        """conversation.item.create of a user message: a whole user turn in the history (its audio, then
+        its text), no answer (the client asks for one with response.create)."""
         self.settle_vad()
         if self.response is not None and not self.response.status.finished:
             raise SessionError("conversation_already_has_active_response",
                                f"response {self.response.id} is in progress: add the item when it is done", "item")
         if self._pushed_samples or (self._vad is not None and self._vad.speaking):
             raise SessionError("user_turn_in_progress", "the user is speaking: add the item once the turn is committed", "item")
-        if pcm.size:
+        if pcm is not None and pcm.size:
             self._commands.append(PushAudio(pcm))
-        self._commands.append(EndTurn(item_id))
+            self._turn_audio_item = item_id
+            self._turn_audio_samples += pcm.size
+        self._commands.append(AddUserText(text) if text else EndTurn(item_id))
         self._turn_items.append(item_id)
         self._events.append(UserItemAdded(item_id, self._last_item))
         self._last_item = item_id
 
-    def receive_response_create(self, now: float, metadata: dict | None = None) -> str:
+    def receive_response_create(self, now: float, metadata: dict | None = None, output_modalities: tuple[str, ...] | None = None) -> str:
         self.settle_vad()
         if self.response is not None and not self.response.status.finished:
             raise SessionError("conversation_already_has_active_response", f"response {self.response.id} is still in progress")
         self.discard_speculation()  # the client asks for an answer now, to the turn as it stands
-        r = Response(id=new_id("resp"), item_id=new_id("item"), epoch=self._epoch, metadata=metadata)
-        self._commands.append(StartResponse(r.id))
+        r = Response(id=new_id("resp"), item_id=new_id("item"), epoch=self._epoch, metadata=metadata,
+                     output_modalities=output_modalities)
+        self._commands.append(StartResponse(r.id, output_modalities=output_modalities))
         self._begin(r)
         return r.id
 
@@ -592,10 +612,15 @@ class Session:
         # the engine's history gains one exchange per response: the user turn (what was committed
         # since the last response) and the answer; it drops them together
         self._exchange_items[r.id], self._turn_items = [*self._turn_items, r.item_id], []
+        r.user_transcript.announce(self._turn_audio_item, 1000.0 * self._turn_audio_samples / RATE_HZ)
+        self._turn_audio_item, self._turn_audio_samples = None, 0
         self._pacer.reset()
         self.stats.responses += 1
-        self._events.append(ResponseCreated(r.id, r.item_id, r.epoch, r.metadata))
+        self._events.append(ResponseCreated(r.id, r.item_id, r.epoch, r.metadata, r.output_modalities))
         self._last_item = r.item_id
+        if r.transcript:  # a speculative answer's text, held until now
+            self._events.append(ResponseText(r.id, r.item_id, r.epoch, r.transcript))
+        self._events += r.user_transcript.due(self._deleted_items)
 
     def receive_response_cancel(self, now: float, response_id: str | None = None) -> None:
         r = self.response
@@ -623,9 +648,12 @@ class Session:
         r = self._engine_response(response_id)
         if r is None:
             return
-        if r.first_chunk_at is None:
+        # Text comes first and without audio (assistant_text): it has no playback deadline, and the
+        # engine's audio deadlines count from its first audio, so only audio chunks are accounted.
+        audio = pcm.size > 0
+        if audio and r.first_chunk_at is None:
             r.first_chunk_at = now
-        if not r.speculative:
+        if audio and not r.speculative:
             self.stats.chunks += 1
             if deadline is not None and now > deadline + r.deadline_shift_s:
                 self.stats.chunks_late += 1
@@ -642,6 +670,25 @@ class Session:
             r.pending_samples += pcm.size
         if is_last:
             r.status = ResponseStatus.GENERATED
+
+    def receive_user_transcript(self, response_id: str, delta: str) -> None:
+        """The engine wrote more of the user turn's transcript (transcribe_user) of this response's exchange."""
+        if (r := self._announced_or_speculative(response_id)) is not None:
+            r.user_transcript.add(delta)
+            self._events += r.user_transcript.due(self._deleted_items)
+
+    def receive_user_transcript_end(self, response_id: str, code: str | None = None, message: str = "") -> None:
+        """The transcript is complete (`code` None) or failed (`code`, `message`)."""
+        if (r := self._announced_or_speculative(response_id)) is not None:
+            r.user_transcript.finish(code, message)
+            self._events += r.user_transcript.due(self._deleted_items)
+
+    def _announced_or_speculative(self, response_id: str) -> Response | None:
+        """A response the client was told of (finished ones too: a transcript may outlast its answer), or
+        the undecided speculation; None for a discarded one. The latest are looked at first."""
+        if self.speculation is not None and self.speculation.id == response_id:
+            return self.speculation
+        return next((r for r in reversed(self._assistant_items.values()) if r.id == response_id), None)
 
     def receive_engine_error(self, response_id: str, now: float) -> bool:
         """The engine failed a response; True when the client is to be told (a speculative answer is

@@ -38,14 +38,16 @@ class ClearInput:
 class CreateResponse:
     event_id: str | None = None
     metadata: dict | None = None  # echoed in response.created / response.done
+    output_modalities: tuple[str, ...] | None = None  # this answer's, when it differs from the session's
 
 
 @dataclass(frozen=True, slots=True)
-class AddUserAudio:
-    """conversation.item.create of a user message with audio: a user turn, no answer."""
+class AddUserItem:
+    """conversation.item.create of a user message with audio or text: a user turn, no answer."""
 
     item_id: str
-    pcm: np.ndarray  # int16, 16 kHz
+    pcm: np.ndarray | None  # int16, 16 kHz; None: no audio
+    text: str = ""  # its input_text parts (the model reads them after the audio)
     event_id: str | None = None
 
 
@@ -91,7 +93,7 @@ class SetTurnDetection:
     event_id: str | None = None
 
 
-SessionInput = (AudioIn | CommitInput | ClearInput | CreateResponse | AddUserAudio | CancelRequested | ClearOutput | TruncateItem
+SessionInput = (AudioIn | CommitInput | ClearInput | CreateResponse | AddUserItem | CancelRequested | ClearOutput | TruncateItem
                 | DeleteItem | Played | SetTurnDetection)
 
 
@@ -111,10 +113,10 @@ def apply(session: Session, inp: SessionInput, now: float) -> None:
             session.receive_commit(now)
         case ClearInput():
             session.receive_clear()
-        case CreateResponse(metadata=metadata):
-            session.receive_response_create(now, metadata)
-        case AddUserAudio(item_id, pcm):
-            session.receive_user_item(item_id, pcm)
+        case CreateResponse(metadata=metadata, output_modalities=modalities):
+            session.receive_response_create(now, metadata, modalities)
+        case AddUserItem(item_id, pcm, text):
+            session.receive_user_item(item_id, pcm, text)
         case CancelRequested(response_id):
             session.receive_response_cancel(now, response_id)
         case ClearOutput():

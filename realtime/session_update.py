@@ -6,9 +6,10 @@ the changes to apply and a `ClientError` per refused field (each naming it in `p
 Realtime event machine applies the changes, sends the errors, then `session.updated` with the
 resulting config: what was applied, never a refused value.
 
-Fields of the GA session schema this server cannot honour (transcription, tools, noise reduction, a
-text-only output, ...) are refused by name unless their value asks for nothing (null, [], "auto"),
-so a client never believes a feature is on when it is not.
+Fields of the GA session schema this server cannot honour (tools, noise reduction, ...) are refused
+by name unless their value asks for nothing (null, [], "auto"), so a client never believes a feature
+is on when it is not. Input transcription and text-only answers are honoured when the model has a
+text tokenizer (`text`), and refused by name when it has none.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ class SessionUpdate:
         return self.turn_detection is not _UNSET
 
 
-def parse_session_update(cfg: dict, settings, turn_detection: VadParams | None, audio_started: bool) -> SessionUpdate:
-    """`settings`: the session's SessionSettings; `audio_started`: output audio went out (the voice is fixed)."""
+def parse_session_update(cfg: dict, settings, turn_detection: VadParams | None, audio_started: bool,
+                         text: bool = False) -> SessionUpdate:
+    """`settings`: the session's SessionSettings; `audio_started`: output audio went out (the voice is fixed);
+    `text`: the model reads and writes text (transcription, text-only answers)."""
     upd = SessionUpdate()
     audio = _part(upd, cfg, "audio", "session.")
     inp = _part(upd, audio, "input", "session.audio.")
@@ -78,6 +81,8 @@ def parse_session_update(cfg: dict, settings, turn_detection: VadParams | None, 
     for key, types, conv in (("instructions", str, str), ("model", str, str), ("temperature", (int, float), float)):
         attempt(_simple, upd, cfg, key, types, conv)
     attempt(_refusals, upd, cfg, inp, out)
+    attempt(_transcription, upd, cfg, inp, text)
+    attempt(_modalities, upd, cfg, text)
     if cfg.get("truncation") is not None:
         attempt(_truncation, upd, cfg["truncation"])
     if "duplex" in cfg:
@@ -205,10 +210,6 @@ def _refusals(upd: SessionUpdate, cfg: dict, inp: dict, out: dict) -> None:
     """GA fields asking for what OpusLM cannot do: accepted only when they ask for nothing."""
     checks = (
         ("session.type", cfg.get("type"), lambda v: v in (None, "realtime"), "only 'realtime' sessions (no transcription-only sessions)"),
-        ("session.output_modalities", cfg.get("output_modalities"), _audio_out, "the model answers in audio (with its transcript): use ['audio']"),
-        ("session.modalities", cfg.get("modalities"), _audio_out, "the model answers in audio (with its transcript): use ['audio']"),
-        ("session.audio.input.transcription", inp.get("transcription"), _nothing, "no input transcription (OpusLM hears audio only); use null"),
-        ("session.input_audio_transcription", cfg.get("input_audio_transcription"), _nothing, "no input transcription; use null"),
         ("session.audio.input.noise_reduction", inp.get("noise_reduction"), _nothing, "no noise reduction; use null"),
         ("session.input_audio_noise_reduction", cfg.get("input_audio_noise_reduction"), _nothing, "no noise reduction; use null"),
         ("session.audio.output.speed", out.get("speed"), lambda v: v in (None, 1, 1.0), "the speech rate is the model's own; use 1.0"),
@@ -233,8 +234,66 @@ def _nothing(v) -> bool:
     return v is None or v == [] or v == {}
 
 
-def _audio_out(v) -> bool:
-    return v is None or (isinstance(v, list) and "audio" in v)
+NO_TEXT = "the model has no text tokenizer: it hears and speaks audio only"
+
+# AudioTranscription's fields that ask for what the model cannot do unless empty: it writes the
+# user's words as it heard them (ESPnet's dialogue target), with no language hint, prompt or keywords,
+# and beside the answer, so with no delay to choose
+_TRANSCRIPTION_EMPTY = {"language": "no language hint: the model writes the language it hears",
+                        "prompt": "no transcription prompt: the model writes what it heard",
+                        "delay": "the transcript is written beside the answer: no delay to choose",
+                        "keywords": "no keywords: the model writes what it heard",
+                        "languages": "no language hint: the model writes the language it hears"}
+
+
+def _transcription(upd: SessionUpdate, cfg: dict, inp: dict, text: bool) -> None:
+    """audio.input.transcription (GA) or input_audio_transcription (beta): the dialogue model itself
+    writes each answered user turn's transcript; any model name is taken (and echoed), as no other
+    model runs. null turns it off."""
+    if "transcription" in inp:
+        param, value = "session.audio.input.transcription", inp["transcription"]
+    elif "input_audio_transcription" in cfg:
+        param, value = "session.input_audio_transcription", cfg["input_audio_transcription"]
+    else:
+        return
+    if value is None:
+        upd.changes["transcription"] = None
+        return
+    if not isinstance(value, dict):
+        raise ClientError("invalid_type", f"'{param}' must be an object or null", param)
+    if not text:
+        raise unsupported(param, NO_TEXT + "; use null")
+    for key in value:
+        if key != "model" and key not in _TRANSCRIPTION_EMPTY:
+            raise ClientError("unknown_parameter", f"unknown parameter '{param}.{key}'", f"{param}.{key}")
+    for key, why in _TRANSCRIPTION_EMPTY.items():
+        if value.get(key) not in (None, "", []):
+            raise unsupported(f"{param}.{key}", why)
+    model = get_field(value, "model", str, prefix=param + ".")
+    upd.changes["transcription"] = {"model": model}
+
+
+def _modalities(upd: SessionUpdate, cfg: dict, text: bool) -> None:
+    for key in ("output_modalities", "modalities"):
+        if cfg.get(key) is not None:
+            upd.changes["output_modalities"] = parse_modalities(cfg[key], f"session.{key}", beta=key == "modalities", text=text)
+
+
+def parse_modalities(value, param: str, beta: bool, text: bool) -> tuple[str, ...]:
+    """["audio"] (audio answers, with their transcript) or ["text"] (text-only answers: a model with
+    text). GA clients cannot ask for both; beta's ["audio", "text"] meant audio with its transcript."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ClientError("invalid_type", f"'{param}' must be a list of strings", param)
+    kinds = set(value)
+    if beta and kinds == {"audio", "text"}:
+        return ("audio",)
+    if kinds == {"audio"}:
+        return ("audio",)
+    if kinds == {"text"}:
+        if not text:
+            raise unsupported(param, NO_TEXT + ": use ['audio']")
+        return ("text",)
+    raise unsupported(param, "answers are either audio (with its transcript) or text only: use ['audio'] or ['text']")
 
 
 def echo_turn_detection(vad: VadParams | None, wire: dict | None, extensions: bool) -> dict | None:

@@ -49,6 +49,8 @@ from realtime.credentials import same_secret
 from realtime.halfband import Downsampler, Upsampler
 from realtime.session_input import AudioIn, Played, SessionInput
 from realtime.session import (
+    InputTranscriptDone,
+    InputTranscriptFailed,
     OutputCleared,
     ResponseAudio,
     ResponseCreated,
@@ -120,8 +122,11 @@ class TwilioProtocol:
     resumable = False  # a Twilio stream is never resumed (Twilio reconnects by calling again)
 
     def __init__(self, session: Session, limits: TwilioLimits | None = None, end_call_digit: str | None = "#",
-                 on_fault: Callable[[str], None] | None = None, options: ConversationOptions | None = None) -> None:
+                 on_fault: Callable[[str], None] | None = None, options: ConversationOptions | None = None,
+                 log_text: bool = True) -> None:
+        """`log_text`: the call's text (the caller's transcripts, the model's text) is logged at INFO."""
         self.session = session  # the runner's: this machine reads only its id
+        self.log_text = log_text
         self.options = options or ConversationOptions()  # the server's session defaults: a call cannot change them
         self.client_errors = 0  # Twilio gets no error events: its faults are counted by kind (`faults`)
         self.limits = limits or TwilioLimits()
@@ -151,8 +156,8 @@ class TwilioProtocol:
         out, self._out = self._out, []
         return out
 
-    def engine_options(self) -> ConversationOptions:
-        return self.options
+    def engine_options(self, output_modalities: tuple[str, ...] | None = None) -> ConversationOptions:
+        return self.options  # a call always answers in audio
 
     def take_engine_options(self) -> None:
         return None  # Twilio has no way to change them mid-call
@@ -294,7 +299,15 @@ class TwilioProtocol:
                     self._send_media(self._encoder.flush())  # the last frame padded with silence
                 else:
                     self._encoder.reset()
-            # speech started/stopped, text, commits: Twilio has no message for them
+                if ev.transcript and self.log_text:
+                    log.info("twilio stream %s: assistant (%s, %s): %s", self.stream_sid, ev.response_id, ev.status.name.lower(),
+                             ev.transcript)
+            elif isinstance(ev, InputTranscriptDone) and self.log_text:
+                log.info("twilio stream %s: caller (%s): %s", self.stream_sid, ev.item_id, ev.transcript)
+            elif isinstance(ev, InputTranscriptFailed):
+                log.warning("twilio stream %s: the caller's transcript (%s) failed: %s: %s", self.stream_sid, ev.item_id, ev.code,
+                            ev.message)
+            # speech started/stopped, text deltas, commits: Twilio has no message for them (a call's text is logged whole)
 
     def _send_media(self, frames: list[bytes]) -> None:
         if not frames or self.start is None or self.state is StreamState.STOPPED:

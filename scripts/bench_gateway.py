@@ -81,6 +81,8 @@ class FixedConversation:
 
 
 class FixedEngine:
+    supports_text = False  # audio only
+
     def __init__(self) -> None:
         self.open = 0
 

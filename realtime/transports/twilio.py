@@ -15,6 +15,7 @@ The protocol is `realtime.twilio_protocol.TwilioProtocol`; this module is its I/
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -147,10 +148,13 @@ class TwilioBridge:
         # Twilio's messages are under 1 KiB (`start` with its parameters a few): the server-wide limit
         # (megabytes, for audio appends) would let an unauthenticated socket make us parse megabytes.
         ws.protocol.max_message_size = cfg.telephony.max_message_bytes
+        # a call's text goes to the log (telephony.transcripts): the caller's turns transcribed, the model's text if it writes any
+        transcripts = cfg.telephony.transcripts and admission.engine.supports_text
+        options = dataclasses.replace(cfg.session.engine_options(self.ctx.voices), transcribe_user=transcripts)
         proto = TwilioProtocol(admission.new_session(vad=cfg.telephony.vad, output_frame_ms=FRAME_MS, acked_playback=True),
                                end_call_digit=cfg.telephony.end_call_digit,
                                on_fault=lambda kind: metrics.telephony_faults.labels(kind).inc(),
-                               options=cfg.session.engine_options(self.ctx.voices))
+                               options=options, log_text=cfg.telephony.transcripts)
         if not await self._await_start(ws, proto):
             return
         start = proto.start

@@ -76,7 +76,7 @@ def realtime_protocol(ctx: TransportContext, session: Session, resume_token: str
     resume = ResumeOffer(resume_token, cfg.limits.resume_grace_s) if resume_token else None
     return RealtimeProtocol(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes),
                             SessionSettings.of(cfg.session, ctx.voices), OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity),
-                            resume, audio_out_of_band, extensions)
+                            resume, audio_out_of_band, extensions, text_model=ctx.admission.engine.supports_text)
 
 
 def register(ctx: TransportContext) -> None:

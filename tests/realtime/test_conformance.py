@@ -229,7 +229,12 @@ def test_conversation_items_text_system_and_user_audio():
     assert c.proto.take_engine_options().system_prompt == "You are terse."  # system messages become instructions
     c.send({"type": "conversation.item.create", "item": {"id": "t1", "type": "message", "role": "user",
                                                          "content": [{"type": "input_text", "text": "hello"}]}})
-    assert c.sent[-1]["item"]["content"] == [{"type": "input_text", "text": "hello"}] and not c.commands
+    # a typed turn, and this model reads no text: refused by name, not kept as if the model had read it
+    assert c.errors()[-1]["param"] == "item.content[0].type" and "text tokenizer" in c.errors()[-1]["message"]
+    assert not c.commands
+    c.send({"type": "conversation.item.create", "item": {"id": "t1", "type": "message", "role": "assistant",
+                                                         "content": [{"type": "output_text", "text": "hello"}]}})
+    assert c.sent[-1]["item"]["content"] == [{"type": "output_text", "text": "hello"}] and not c.commands
     c.send({"type": "conversation.item.create", "item": {"id": "a1", "type": "message", "role": "user",
                                                          "content": [{"type": "input_audio", "audio": _pcm24_b64(400)}]}})
     pushed = [x for x in c.commands if isinstance(x, PushAudio)]

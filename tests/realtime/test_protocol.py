@@ -22,9 +22,11 @@ from realtime.vad import VadParams
 class Client:
     """Drives a protocol machine like a socket would, on a simulated monotonic clock."""
 
-    def __init__(self, vad: VadParams | None = VadParams(silence_duration_ms=300), extensions: bool = True) -> None:
+    def __init__(self, vad: VadParams | None = VadParams(silence_duration_ms=300), extensions: bool = True,
+                 text_model: bool = False, settings=None) -> None:
         self.session = Session("sess_test", vad, SessionLimits(output_frame_ms=40, lead_ms=100))
-        self.proto = RealtimeProtocol(self.session, extensions=extensions)  # most tests look at our additions too
+        # most tests look at our additions too; `text_model`: the engine reads and writes text
+        self.proto = RealtimeProtocol(self.session, settings=settings, extensions=extensions, text_model=text_model)
         self.now = 100.0
         self.sent: list = []
         self.commands: list = []
