@@ -139,7 +139,8 @@ class Rig:
         token = new_resume_token() if resumable else None
         proto = RealtimeProtocol(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes),
                                  SessionSettings.of(cfg.session, {}), OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity),
-                                 ResumeOffer(token, cfg.limits.resume_grace_s) if token else None, extensions=True)
+                                 ResumeOffer(token, cfg.limits.resume_grace_s) if token else None, extensions=True,
+                                 text_model=self.engine.supports_text)
         return self.adm.open_session("websocket", link, proto, resume_token=token)
 
     def conv(self, runner: SessionRunner):
