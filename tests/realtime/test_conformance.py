@@ -283,3 +283,75 @@ def test_multipart_offer_as_the_openai_sdk_sends_it():
     body = req.read()
     form = parse_form_data(req.headers["Content-Type"], body)
     assert form == {"sdp": b"v=0\r\nm=audio 9", "session": b'{"type":"realtime"}'}
+
+
+# With a model that reads and writes text: these fields are honoured (and their refusals still named).
+TEXT_SWEEP = [
+    ({"audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}, None),
+    ({"audio": {"input": {"transcription": {"model": "whisper-1", "language": "en", "prompt": "names"}}}},
+     "session.audio.input.transcription.language"),
+    ({"audio": {"input": {"transcription": {"model": "gpt-realtime-whisper", "delay": "low"}}}},
+     "session.audio.input.transcription.delay"),
+    ({"audio": {"input": {"transcription": {"model": "gpt-transcribe", "keywords": ["a"]}}}},
+     "session.audio.input.transcription.keywords"),
+    ({"audio": {"input": {"transcription": {"model": "gpt-transcribe", "languages": ["en"]}}}},
+     "session.audio.input.transcription.languages"),
+    ({"output_modalities": ["text"]}, None),
+    ({"output_modalities": ["audio", "text"]}, "session.output_modalities"),
+    ({"output_modalities": []}, "session.output_modalities"),
+]
+
+
+@pytest.mark.parametrize("fields,refused", TEXT_SWEEP, ids=[json.dumps(f)[:60] for f, _ in TEXT_SWEEP])
+def test_text_fields_with_a_text_model_are_honoured_or_refused_by_name(fields, refused):
+    c = Client(extensions=False, text_model=True)
+    c.take()
+    c.send({"type": "session.update", "session": {"type": "realtime", **fields}})
+    errs = c.errors()
+    assert c.sent[-1]["type"] == "session.updated"
+    assert (errs == []) if refused is None else (len(errs) == 1 and errs[0]["param"] == refused)
+    _strict_check(c.sent)
+
+
+def test_transcription_and_text_answers_are_the_sdks_event_shapes():
+    c = Client(vad=None, extensions=False, text_model=True)
+    c.send({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"],
+                                                  "audio": {"input": {"transcription": {"model": "whisper-1"}}}}})
+    assert c.proto.take_engine_options().transcribe_user
+    c.append_pcm24(silence(200, 24_000) + 1000)
+    c.send({"type": "input_audio_buffer.commit"})
+    c.send({"type": "response.create"})
+    rid = next(e for e in c.sent if e["type"] == "response.created")["response"]["id"]
+    item = next(e for e in c.sent if e["type"] == "input_audio_buffer.committed")["item_id"]
+    c.session.receive_user_transcript(rid, "hello")
+    c.session.receive_engine_chunk(rid, np.zeros(0, np.int16), "Hi there.", False, None, c.now)
+    c.session.receive_user_transcript_end(rid)
+    c.session.receive_engine_chunk(rid, np.zeros(0, np.int16), "", True, None, c.now)
+    for _ in range(5):
+        c.tick(0.04)
+    c.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                         "content": [{"type": "input_text", "text": "And you?"}]}})
+    c.append_pcm24(silence(200, 24_000) + 1000)
+    c.send({"type": "input_audio_buffer.commit"})  # the turn: typed text, then audio (whose item gets its transcript)
+    c.send({"type": "response.create", "response": {"output_modalities": ["audio"]}})
+    rid2 = [e for e in c.sent if e["type"] == "response.created"][-1]["response"]["id"]
+    c.engine_chunk(rid2, 200, is_last=True)
+    for _ in range(10):
+        c.tick(0.04)
+    kinds = c.types()
+    for kind in ("conversation.item.input_audio_transcription.delta", "conversation.item.input_audio_transcription.completed",
+                 "response.output_text.delta", "response.output_text.done"):
+        assert kind in kinds
+    done = [e for e in c.sent if e["type"] == "conversation.item.input_audio_transcription.completed"][0]
+    assert (done["item_id"], done["transcript"]) == (item, "hello")
+    assert [e["response"]["output_modalities"] for e in c.sent if e["type"] == "response.done"] == [["text"], ["audio"]]
+    assert c.errors() == []
+    _strict_check(c.sent)
+    # a failed one too
+    c.session.receive_user_transcript_end(rid2, "engine_error", "the transcript failed")
+    c.tick(0)
+    failed = c.sent[-1]
+    item2 = [e for e in c.sent if e["type"] == "input_audio_buffer.committed"][-1]["item_id"]
+    assert failed["type"] == "conversation.item.input_audio_transcription.failed" and failed["item_id"] == item2
+    assert c.errors() == []
+    _strict_check(c.sent)
