@@ -13,6 +13,9 @@ out, playback acknowledgements, reconnect and resume.
 - Audio out: pcm16 or (`output_format="opus"`) binary Opus on the wire, decoded to int16 at
   `output_rate_hz`; `AudioChunk`s carry their response id and epoch, and audio of a response that was
   cleared (barge-in, cancel) is dropped.
+- Text (a model with a text tokenizer: `session["duplex"]["text"]`): `update_session(transcribe=True)` brings
+  `UserTranscriptDelta` / `UserTranscript` for each answered turn; `output_modalities=["text"]` (per session,
+  or `create_response(output_modalities=...)`) text-only answers as `TextDelta`; `send_text()` a typed turn.
 - Errors are exceptions carrying the server's code and message (`DuplexError` and its subclasses).
 - Reconnect and resume: a connection that dies without a close frame is reopened with exponential
   backoff and jitter (`Reconnect`), resuming the same server session with the resume token from
@@ -53,8 +56,12 @@ from realtime.client.events import (
     SessionUpdated,
     SpeechStarted,
     SpeechStopped,
+    TextDelta,
     TranscriptDelta,
     Unauthorized,
+    UserTranscript,
+    UserTranscriptDelta,
+    UserTranscriptFailed,
 )
 from realtime.client.playback import AudioSink, Player, SimulatedSpeaker
 
@@ -80,6 +87,10 @@ __all__ = [
     "FirstAudio",
     "AudioChunk",
     "TranscriptDelta",
+    "TextDelta",
+    "UserTranscriptDelta",
+    "UserTranscript",
+    "UserTranscriptFailed",
     "OutputCleared",
     "ResponseDone",
     "ErrorEvent",

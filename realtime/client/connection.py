@@ -43,7 +43,11 @@ from realtime.client.events import (
     SessionUpdated,
     SpeechStarted,
     SpeechStopped,
+    TextDelta,
     TranscriptDelta,
+    UserTranscript,
+    UserTranscriptDelta,
+    UserTranscriptFailed,
     Unauthorized,
 )
 from realtime.client.playback import WIRE_RATE_HZ, AudioSink, Player
@@ -240,11 +244,15 @@ class DuplexClient:
     # ---- requests ----
     async def update_session(self, *, instructions: str | None = None, voice: str | None = None,
                              turn_detection: dict | None | str = "keep", temperature: float | None = None,
+                             transcribe: bool | None = None, output_modalities: list[str] | None = None,
                              duplex: dict | None = None, session: dict | None = None) -> dict:
         """session.update with the given fields; returns the session object of `session.updated`.
-        `turn_detection`: None (client commits turns), or a server_vad object. Raises ProtocolError."""
+        `turn_detection`: None (client commits turns), or a server_vad object. `transcribe`: the user's
+        answered turns transcribed (UserTranscript events); `output_modalities`: ["audio"] or ["text"]
+        (text-only answers). Raises ProtocolError (e.g. a model without text refuses both by name)."""
         body = json.loads(json.dumps(session or {}))
-        for key, value in (("instructions", instructions), ("temperature", temperature), ("duplex", duplex)):
+        for key, value in (("instructions", instructions), ("temperature", temperature), ("duplex", duplex),
+                           ("output_modalities", output_modalities)):
             if value is not None:
                 body[key] = value
         audio = body.setdefault("audio", {})
@@ -252,6 +260,8 @@ class DuplexClient:
             audio.setdefault("output", {})["voice"] = voice
         if turn_detection != "keep":
             audio.setdefault("input", {})["turn_detection"] = turn_detection
+        if transcribe is not None:  # the server's model writes the transcript whatever the name
+            audio.setdefault("input", {})["transcription"] = {"model": "duplex"} if transcribe else None
         if not audio:
             del body["audio"]
         event_id = f"client_{next(self._ids)}"
@@ -298,8 +308,19 @@ class DuplexClient:
         """End the user turn (turn_detection None)."""
         await self._send_event({"type": "input_audio_buffer.commit"})
 
-    async def create_response(self) -> None:
-        await self._send_event({"type": "response.create"})
+    async def create_response(self, output_modalities: list[str] | None = None) -> None:
+        """Ask for an answer; `output_modalities` (["text"] or ["audio"]): this answer's, else the session's."""
+        event: dict = {"type": "response.create"}
+        if output_modalities is not None:
+            event["response"] = {"output_modalities": output_modalities}
+        await self._send_event(event)
+
+    async def send_text(self, text: str, respond: bool = False) -> None:
+        """A typed user turn (conversation.item.create with input_text); `respond`: then ask for an answer."""
+        await self._send_event({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}})
+        if respond:
+            await self.create_response()
 
     def played(self, played_ms: float, response_id: str | None = None) -> None:
         """Playback acknowledgement: `played_ms` of the response (default: the latest) has been played.
@@ -625,9 +646,11 @@ class DuplexClient:
     def _on_response_done(self, ev: dict) -> None:
         resp = ev["response"]
         ours = resp.get("duplex") or {}
-        transcript = "".join(c.get("transcript") or "" for item in resp.get("output") or [] for c in item.get("content") or [])
+        content = [c for item in resp.get("output") or [] for c in item.get("content") or []]
+        transcript = "".join(c.get("transcript") or c.get("text") or "" for c in content)
         done = ResponseDone(resp["id"], resp.get("status", ""), (resp.get("status_details") or {}).get("reason"),
-                            float(ours.get("audio_ms") or 0.0), float(ours.get("played_ms") or 0.0), ours.get("ttfa_ms"), transcript)
+                            float(ours.get("audio_ms") or 0.0), float(ours.get("played_ms") or 0.0), ours.get("ttfa_ms"), transcript,
+                            resp.get("output_modalities") == ["text"])
         r = self._response
         if r is not None and r.id == done.response_id:
             r.done = done
@@ -647,6 +670,13 @@ class DuplexClient:
                                                                        ev.get("after_confirm_ms"))),
         "response.output_audio.delta": _on_audio_delta,
         "response.output_audio_transcript.delta": lambda self, ev: self._emit(TranscriptDelta(ev["response_id"], ev["delta"])),
+        "response.output_text.delta": lambda self, ev: self._emit(TextDelta(ev["response_id"], ev["delta"])),
+        "conversation.item.input_audio_transcription.delta":
+            lambda self, ev: self._emit(UserTranscriptDelta(ev["item_id"], ev.get("delta") or "")),
+        "conversation.item.input_audio_transcription.completed":
+            lambda self, ev: self._emit(UserTranscript(ev["item_id"], ev["transcript"])),
+        "conversation.item.input_audio_transcription.failed": lambda self, ev: self._emit(UserTranscriptFailed(
+            ev["item_id"], (ev.get("error") or {}).get("code") or "transcription_failed", (ev.get("error") or {}).get("message") or "")),
         "output_audio_buffer.cleared": _on_output_cleared,
         "response.done": _on_response_done,
     }

@@ -105,8 +105,41 @@ class AudioChunk:
 
 @dataclass(frozen=True)
 class TranscriptDelta:
+    """The model's text of an audio answer (the server writes it when its session.assistant_text is on)."""
+
     response_id: str
     delta: str
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A text-only answer's text (output_modalities ["text"])."""
+
+    response_id: str
+    delta: str
+
+
+@dataclass(frozen=True)
+class UserTranscriptDelta:
+    """More of what the user said in an answered turn, as the model heard it (input transcription on)."""
+
+    item_id: str
+    delta: str
+
+
+@dataclass(frozen=True)
+class UserTranscript:
+    """The whole transcript of the user's turn (its audio item)."""
+
+    item_id: str
+    transcript: str
+
+
+@dataclass(frozen=True)
+class UserTranscriptFailed:
+    item_id: str
+    code: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -124,7 +157,8 @@ class ResponseDone:
     audio_ms: float  # audio the server sent
     played_ms: float  # audio the conversation history keeps
     ttfa_ms: float | None
-    transcript: str
+    transcript: str  # the model's text: a text-only answer's, or an audio answer's (empty unless the server writes it)
+    text_only: bool = False  # answered in text (output_modalities ["text"])
 
 
 @dataclass(frozen=True)
@@ -152,4 +186,5 @@ class Resumed:
 
 
 Event = (SessionCreated | SessionUpdated | SpeechStarted | SpeechStopped | InputCommitted | ResponseCreated | FirstAudio
-         | AudioChunk | TranscriptDelta | OutputCleared | ResponseDone | ErrorEvent | Reconnecting | Resumed)
+         | AudioChunk | TranscriptDelta | TextDelta | UserTranscriptDelta | UserTranscript | UserTranscriptFailed | OutputCleared
+         | ResponseDone | ErrorEvent | Reconnecting | Resumed)
