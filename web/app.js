@@ -29,6 +29,8 @@ const duplex = (window.duplex = {
   lastTtfaMs: null, // server: end of your speech -> first audio of the answer
   lastRttMs: null, // ICE round trip
   lastResponse: null,
+  text: false, // the server's model writes text (session.created's duplex.text): both sides' words are shown
+  userTranscripts: 0, // your turns transcribed (conversation.item.input_audio_transcription.completed)
   error: null, // {code, message} of the last fatal error shown
   serverErrors: [], // error events that did not end the call
   events: 0,
@@ -57,6 +59,7 @@ function publish() {
   b.ttfaMs = duplex.lastTtfaMs ?? "";
   b.session = duplex.sessionId ?? "";
   b.error = duplex.error?.code ?? "";
+  b.text = duplex.text;
   $("responses").textContent = duplex.responses;
   $("interruptions").textContent = duplex.interruptions;
   $("ttfa").textContent = duplex.lastTtfaMs == null ? "–" : `${Math.round(duplex.lastTtfaMs)} ms`;
@@ -99,13 +102,11 @@ function saveSettings() {
 
 function sendSessionUpdate() {
   const silence = Math.max(100, Math.min(5000, Number($("silence").value) || 500));
-  send({
-    type: "session.update",
-    session: {
-      instructions: $("instructions").value,
-      audio: { input: { turn_detection: { type: "server_vad", silence_duration_ms: silence } } },
-    },
-  });
+  const input = { turn_detection: { type: "server_vad", silence_duration_ms: silence } };
+  // Your words, as the model heard them, when it writes text: it transcribes your answered turns itself
+  // (any model name does; a model without text would refuse the field, so it is only asked of one with).
+  if (duplex.text) input.transcription = { model: "duplex" };
+  send({ type: "session.update", session: { instructions: $("instructions").value, audio: { input } } });
 }
 
 function send(event) {
@@ -142,7 +143,6 @@ async function connect() {
 
   const dc = (call.dc = pc.createDataChannel("oai-events"));
   dc.onopen = () => {
-    sendSessionUpdate();
     if (duplex.state === "connecting") setState("listening");
   };
   dc.onmessage = (m) => onEvent(JSON.parse(m.data));
@@ -246,17 +246,43 @@ async function pollStats() {
 
 let interruptedTimer = null;
 let currentAnswer = null;
+const userLines = new Map(); // item id -> its line: "(you spoke)" until the model's transcript of it comes
+
+function setLineText(li, text) {
+  li.firstChild.textContent = text;
+}
 
 function onEvent(ev) {
   duplex.events++;
   switch (ev.type) {
     case "session.created":
       duplex.sessionId = ev.session.id;
+      duplex.text = ev.session.duplex?.text === true; // (this page connects with ?duplex=1)
+      sendSessionUpdate();
       break;
     case "input_audio_buffer.speech_started":
       if (duplex.state !== "interrupted") setState("speaking");
-      addLine("user", "(you spoke)");
+      userLines.set(ev.item_id, addLine("user", "(you spoke)"));
+      if (userLines.size > 40) userLines.delete(userLines.keys().next().value);
       break;
+    case "conversation.item.input_audio_transcription.delta": {
+      const li = userLines.get(ev.item_id);
+      if (li) setLineText(li, (li.dataset.heard ? li.firstChild.textContent : "") + (ev.delta ?? ""));
+      if (li) li.dataset.heard = "1";
+      break;
+    }
+    case "conversation.item.input_audio_transcription.completed": {
+      const li = userLines.get(ev.item_id) ?? addLine("user", "");
+      setLineText(li, ev.transcript || "(nothing heard)");
+      li.dataset.heard = "1";
+      duplex.userTranscripts++;
+      break;
+    }
+    case "conversation.item.input_audio_transcription.failed": {
+      const li = userLines.get(ev.item_id);
+      if (li) li.classList.add("failed");
+      break;
+    }
     case "input_audio_buffer.speech_stopped":
       duplex.turns++;
       setState("thinking");
@@ -265,7 +291,8 @@ function onEvent(ev) {
       setState("answering");
       currentAnswer = addLine("assistant", "…");
       break;
-    case "response.output_audio_transcript.delta":
+    case "response.output_audio_transcript.delta": // the model's text of its spoken answer
+    case "response.output_text.delta": // a text-only answer
       if (currentAnswer) {
         const t = currentAnswer.firstChild;
         t.textContent = (t.textContent === "…" ? "" : t.textContent) + ev.delta;
