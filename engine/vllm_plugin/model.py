@@ -280,7 +280,8 @@ class OpusLMForCausalLM(nn.Module):
             aux = aux[torch.from_numpy(src).to(projected.device)]
         configs, gens = self.streams.sampling_rows(batch, sampled)
         codes = sample_rows(aux, configs, gens)
-        ids = heads.aux_ids(codes.cpu().numpy(), plan.active[sampled])
+        ids = heads.aux_ids(codes.cpu().numpy(), plan.active[sampled],
+                            self.streams.aux_fill(batch, sampled, plan.audio_steps[sampled]))
         if len(sampled) == len(rows):
             return ids
         out = np.empty((len(rows), ids.shape[1]), dtype=ids.dtype)

@@ -216,6 +216,27 @@ def test_greedy_parity_under_preemption_across_a_switch(loop_thread, engine_fact
 
 
 @pytest.mark.vllm
+def test_a_continued_segment_carries_the_prompt_frames_through_the_warm_up(vllm_engine, loop_thread, ref) -> None:
+    from engine import tasks
+
+    clips = [random_frames(np.random.default_rng([11, i]), 9 + 4 * i) for i in range(3)]
+    prompts = [tasks.continuation_prompt(c) for c in clips]
+    reqs = [AudioRequest(p.rows, 16, 16, GREEDY, carry=p.carry[:, 1:]) for p in prompts]
+    reqs.append(AudioRequest(prompts[0].rows, 16, 16, GREEDY))  # the same prompt, warm-up forced to PAD
+    gens = gather(loop_thread, vllm_engine, reqs + [asr(5)])[:4]
+    for i, (req, gen) in enumerate(zip(reqs, gens)):
+        assert_same_steps(gen.steps, ref.generate(req).steps, f"request {i}")
+    for clip, gen in zip(clips, gens):
+        for s in range(FLUSH_STEPS):  # stream k at step s < k holds the clip's frame T + s - k
+            for k in range(s + 1, vocab.NUM_STREAMS):
+                assert gen.steps[s, k] == clip[len(clip) + s - k, k]
+        assert len(gen.frames) == 16 and vocab.in_stream_range(gen.frames).all()
+    assert (gens[3].steps[0, 1:] == vocab.PAD).all() and not np.array_equal(gens[3].steps, gens[0].steps)
+    with pytest.raises(ValueError, match="carry"):
+        AudioRequest(prompts[0].rows, 16, carry=np.zeros((3, 8), np.int64))
+
+
+@pytest.mark.vllm
 def test_seeded_text_sampling_is_reproducible(vllm_engine, loop_thread) -> None:
     def req(seed: int) -> AudioRequest:
         return spoken_answer(4, max_text=16, frames=12, sampling=SamplingConfig(temperature=0.9, top_k=40, seed=seed),
