@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from engine import checkpoint, modality, vocab
@@ -20,6 +19,7 @@ from engine.prompt import audio_segment, random_frames, special_rows, synthetic_
 from engine.reference import ReferenceOpusLM
 from engine.request import AudioRequest
 from engine.sampling import GREEDY, SamplingConfig
+from parity import assert_same_steps
 
 TEXT_LO, TEXT_HI = vocab.TEXT_OFFSET, vocab.TEXT_OFFSET + 512  # the tiny model's text range
 
@@ -49,14 +49,6 @@ def tts(i: int, frames: int = 14) -> AudioRequest:
     prompt = np.concatenate([special_rows(vocab.SOS_EOS, vocab.TASK_TTS, vocab.USER, vocab.TEXT_BPE, *text),
                              special_rows(*[vocab.PAD] * 8), special_rows(vocab.ASSISTANT, vocab.CODEC_SSL)])
     return AudioRequest(prompt, max_frames=frames, min_frames=3, sampling=GREEDY)
-
-
-def assert_same_steps(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    if not np.array_equal(got, want):
-        n = min(len(got), len(want))
-        bad = np.argwhere(got[:n] != want[:n])
-        where = f"first difference at step/stream {tuple(bad[0])}" if len(bad) else "lengths differ"
-        raise AssertionError(f"{what}: vLLM {got.shape} != reference {want.shape}; {where}")
 
 
 def gather(loop_thread, engine, reqs):
