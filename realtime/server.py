@@ -8,6 +8,7 @@
     POST /v1/realtime/calls     WebRTC SDP offer -> answer (auth; realtime/transports/webrtc.py)
     WS   /v1/telephony/twilio   Twilio Media Streams (token in `start`; realtime/transports/twilio.py)
     POST /v1/telephony/twiml    TwiML for a call (realtime/transports/twilio.py)
+    POST /v1/audio/transcriptions, /v1/audio/speech   OpenAI's one-shot audio API (auth; realtime/transports/audio_api.py)
 
 The transports are the explicit list `TRANSPORTS`: each `register(ctx)` adds its routes, bound to
 what it needs from `TransportContext`, and they share one admission path (realtime/admission.py).
@@ -39,14 +40,14 @@ from realtime.http import (MAX_BODY, BodyConnection, BodyLimit, HttpReply, HttpR
                            respond, static_file)
 from realtime.http_stream import HttpStream, send_stream, wait_lost
 from realtime.metrics import CONTENT_TYPE, GatewayMetrics
-from realtime.transports import twilio, webrtc, websocket
+from realtime.transports import audio_api, twilio, webrtc, websocket
 from realtime.transports.context import TransportContext
 from realtime.vad_batch import VadBatcher
 from realtime.voices import load_voices
 
 log = logging.getLogger("duplex.gateway")
 
-TRANSPORTS = (websocket, webrtc, twilio)  # a new transport is one new module here
+TRANSPORTS = (websocket, webrtc, twilio, audio_api)  # a new transport is one new module here
 
 
 class Gateway:
