@@ -560,3 +560,101 @@ def test_the_endpoints_can_be_switched_off_and_their_config_is_checked():
     for key, value in (("max_concurrent", 0), ("max_upload_mb", 0), ("max_duration_s", -1), ("enabled", "yes")):
         with pytest.raises(ValueError, match=f"'audio_api.{key}'"):
             config_from_dict({"audio_api": {key: value}})
+
+
+# ---- the streamed reply's writer (realtime/http_stream.py), without sockets ----
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.written, self.closed, self.aborted = bytearray(), False, False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class FakeTarget:
+    """A connection whose transport never drains when `stuck` (a client that reads nothing); lost once closed."""
+
+    def __init__(self, stuck: bool = False) -> None:
+        self.transport = FakeTransport()
+        self.lost = asyncio.get_running_loop().create_future()
+        self.stuck = stuck
+
+    async def writable(self) -> None:
+        if self.stuck:
+            await asyncio.Event().wait()
+
+    def settle(self) -> None:
+        if (self.transport.closed or self.transport.aborted) and not self.lost.done():
+            self.lost.set_result(None)
+
+
+def test_the_stream_writer_frames_chunks_and_ends_a_failed_or_stalled_body_without_the_last_chunk():
+    from http import HTTPStatus
+
+    from realtime.http_stream import HttpStream, StreamEnd, send_stream
+
+    async def body(pieces, fail: bool = False, closed: list | None = None):
+        try:
+            for p in pieces:
+                yield p
+            if fail:
+                raise RuntimeError("the engine died")
+        finally:
+            if closed is not None:
+                closed.append(True)
+
+    async def send(target: FakeTarget, stream: HttpStream) -> StreamEnd:
+        task = asyncio.ensure_future(send_stream(target, stream, close_timeout_s=5))
+        while not task.done():
+            target.settle()
+            await asyncio.sleep(0)
+        return task.result()
+
+    async def main():
+        t = FakeTarget()
+        end = await send(t, HttpStream(HTTPStatus.OK, body([b"abc", b"", b"0123456789abcdef"]), "audio/wav", {"X-A": "1"}))
+        head, _, rest = bytes(t.transport.written).partition(b"\r\n\r\n")
+        assert end is StreamEnd.COMPLETED and head.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nX-A: 1" in head
+        assert b"Transfer-Encoding: chunked" in head and b"Content-Type: audio/wav" in head
+        assert rest == b"3\r\nabc\r\n10\r\n0123456789abcdef\r\n0\r\n\r\n" and t.transport.closed
+        t = FakeTarget()
+        end = await send(t, HttpStream(HTTPStatus.OK, body([b"abc"], fail=True), "audio/wav"))
+        assert end is StreamEnd.FAILED and bytes(t.transport.written).endswith(b"3\r\nabc\r\n") and t.transport.closed
+        t, closed = FakeTarget(stuck=True), []
+        end = await send(t, HttpStream(HTTPStatus.OK, body([b"a", b"b"], closed=closed), "audio/wav", stall_timeout_s=0.05))
+        assert end is StreamEnd.STALLED and t.transport.aborted and closed == [True]
+        assert bytes(t.transport.written).endswith(b"1\r\na\r\n")  # nothing more was pulled from the body
+
+    run(main)
+
+
+def test_a_stop_cuts_the_streams_in_progress_and_their_engine_requests():
+    async def main():
+        engine = FakeEngine(oneshot_step_s=0.05)
+        gw = Gateway(engine, config_from_dict({"server": {"port": 0}}), token=TOKEN)
+        await gw.start()
+        stopped = False
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.port}", timeout=10) as http:
+                req = {"model": "x", "input": TEXT, "voice": "alloy", "response_format": "pcm"}
+                async with http.stream("POST", "/v1/audio/speech", json=req, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+                    pieces = resp.aiter_raw()
+                    await anext(pieces)
+                    await gw.stop()
+                    stopped = True
+                    with pytest.raises(httpx.RemoteProtocolError):  # cut: no last chunk
+                        async for _ in pieces:
+                            pass
+            assert engine.syntheses[-1].status == "cancelled" and engine.oneshots_running == 0
+        finally:
+            if not stopped:
+                await gw.stop()
+
+    run(main)
