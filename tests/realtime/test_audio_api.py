@@ -658,3 +658,31 @@ def test_a_stop_cuts_the_streams_in_progress_and_their_engine_requests():
                 await gw.stop()
 
     run(main)
+
+
+def test_the_request_deadline_moved_from_websockets_to_the_connection():
+    """websockets' open_timeout is off (it would cut streamed replies); a slow handshake or upload is still cut."""
+    async def closed_after(port: int, parts: list[bytes], pause_s: float) -> float:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.monotonic()
+        for part in parts:
+            writer.write(part)
+            await asyncio.sleep(pause_s)
+            if reader.at_eof():
+                break
+        data = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert data == b"", data  # aborted: no reply
+        return time.monotonic() - t0
+
+    async def main():
+        config = {"limits": {"open_timeout_s": 0.5}, "audio_api": {"upload_timeout_s": 1.5}}
+        async with gateway(FakeEngine(), config) as gw:
+            slow_head = [b"GET /v1/realtime HTTP/1.1\r\n"] + [b"X-Slow: 1\r\n"] * 40
+            assert 0.5 <= await closed_after(gw.port, slow_head, 0.1) < 4
+            upload = (f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                      "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 100000\r\n\r\n").encode()
+            assert 1.5 <= await closed_after(gw.port, [upload] + [b"x" * 1000] * 40, 0.1) < 5  # its own, longer deadline
+            assert gw.metrics.registry.get_sample_value("duplex_handshakes_incomplete_total") == 2
+
+    run(main)
