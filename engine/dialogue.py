@@ -74,11 +74,15 @@ def speaker_segment(frames: np.ndarray) -> np.ndarray:
     return audio_segment(vocab.SYSTEM, speaker_prompt_frames(frames), modality=vocab.SPEAKER)
 
 
-def history_rows(turns: list[DialogueTurn], speaker_frames: np.ndarray | None = None) -> np.ndarray:
-    """The prompt up to and including the last turn (no opener)."""
+def history_rows(turns: list[DialogueTurn], speaker_frames: np.ndarray | None = None, *,
+                 system_ids: Sequence[int] = ()) -> np.ndarray:
+    """The prompt up to and including the last turn (no opener). `system_ids`: the system text (the
+    session's instructions, global text ids), a `8 35` segment after the speaker prompt."""
     parts = [special_rows(vocab.SOS_EOS, vocab.TASK_AUDIO_DIALOGUE)]
     if speaker_frames is not None and len(speaker_frames):
         parts.append(speaker_segment(speaker_frames))
+    if len(system_ids):
+        parts.append(text_segment(vocab.SYSTEM, [int(i) for i in system_ids]))
     for turn in turns:
         if turn.deleted:
             continue
@@ -97,24 +101,26 @@ def history_rows(turns: list[DialogueTurn], speaker_frames: np.ndarray | None = 
 
 
 def response_prompt(
-    turns: list[DialogueTurn], speaker_frames: np.ndarray | None = None, *, text_first: bool = False
+    turns: list[DialogueTurn], speaker_frames: np.ndarray | None = None, *, text_first: bool = False,
+    system_ids: Sequence[int] = (),
 ) -> np.ndarray:
     """The full prompt for the assistant's next answer: it opens the assistant's audio segment, or
     with `text_first` its text segment (`10 35`), so that the model writes the answer's text and ends
     it (<sos/eos>, the only end ESPnet's text mask allows), and the caller then appends the text's 8
     pad rows and opens the audio segment (`10 34`)."""
     opener = special_rows(vocab.ASSISTANT, vocab.TEXT_BPE) if text_first else open_audio_segment(vocab.ASSISTANT)
-    return np.concatenate([history_rows(turns, speaker_frames), opener])
+    return np.concatenate([history_rows(turns, speaker_frames, system_ids=system_ids), opener])
 
 
 def answer_audio_prompt(
-    turns: list[DialogueTurn], text_ids: Sequence[int], speaker_frames: np.ndarray | None = None
+    turns: list[DialogueTurn], text_ids: Sequence[int], speaker_frames: np.ndarray | None = None, *,
+    system_ids: Sequence[int] = (),
 ) -> np.ndarray:
     """After a `text_first` answer wrote `text_ids` and ended them: the prompt that opens the answer's
     audio segment, laid out as the history will hold the answer (its text segment, then `10 34`), so the
     next turn's prompt extends it and the prefix cache serves it. (ESPnet's chat inference generates one
     target segment per call the same way.)"""
-    parts = [history_rows(turns, speaker_frames)]
+    parts = [history_rows(turns, speaker_frames, system_ids=system_ids)]
     if len(text_ids):
         parts.append(text_segment(vocab.ASSISTANT, [int(i) for i in text_ids]))
     parts.append(open_audio_segment(vocab.ASSISTANT))
@@ -122,7 +128,8 @@ def answer_audio_prompt(
 
 
 def stable_user_prefix(
-    turns: list[DialogueTurn], user_frames: np.ndarray, speaker_frames: np.ndarray | None = None
+    turns: list[DialogueTurn], user_frames: np.ndarray, speaker_frames: np.ndarray | None = None, *,
+    system_ids: Sequence[int] = (),
 ) -> np.ndarray:
     """The part of the next prompt that is final while the user is still talking.
 
@@ -131,7 +138,8 @@ def stable_user_prefix(
     """
     user = np.asarray(user_frames, dtype=np.int64).reshape(-1, vocab.NUM_STREAMS)
     steps = delay.interleave(user)[: len(user)]
-    return np.concatenate([history_rows(turns, speaker_frames), special_rows(vocab.USER, vocab.CODEC_SSL), steps])
+    return np.concatenate([history_rows(turns, speaker_frames, system_ids=system_ids),
+                           special_rows(vocab.USER, vocab.CODEC_SSL), steps])
 
 
 # --- context management --------------------------------------------------------------------------
@@ -151,10 +159,11 @@ def turn_rows(turn: DialogueTurn) -> int:
     return rows + (SEGMENT_ROWS + len(turn.text_ids) if turn.text_ids else 0)
 
 
-def head_rows(speaker_frames: int) -> int:
-    """The positions before the first turn: the task marker and the speaker prompt, if any (always
-    SPEAKER_PROMPT_FRAMES frames long, whatever was given)."""
-    return HEAD_ROWS + (SEGMENT_ROWS + SPEAKER_PROMPT_FRAMES if speaker_frames > 0 else 0)
+def head_rows(speaker_frames: int, system_tokens: int = 0) -> int:
+    """The positions before the first turn: the task marker, the speaker prompt if any (always
+    SPEAKER_PROMPT_FRAMES frames long, whatever was given) and the system text if any."""
+    speaker = SEGMENT_ROWS + SPEAKER_PROMPT_FRAMES if speaker_frames > 0 else 0
+    return HEAD_ROWS + speaker + (SEGMENT_ROWS + system_tokens if system_tokens > 0 else 0)
 
 
 def answer_rows(max_frames: int, max_text_tokens: int = 0) -> int:
@@ -189,6 +198,7 @@ def fit_context(
     speaker_frames: int = 0,
     at_least: int = 0,
     max_text_tokens: int = 0,
+    system_tokens: int = 0,
 ) -> ContextFit:
     """How many leading `turns` to drop so that the prompt (history + the current user turn of
     `user_frames`) and an answer of `max_frames` fit `max_model_len` positions.
@@ -199,14 +209,15 @@ def fit_context(
     once so that the next drops come later. `retention_ratio` None: truncation disabled, nothing is
     dropped (`fits` False when it does not fit). `at_least`: drop no fewer turns than this (what an
     incremental prefill already assumed, so the response reuses its cache). `max_text_tokens`: the
-    answer is `text_first`, with up to that many text tokens before its audio.
+    answer is `text_first`, with up to that many text tokens before its audio. `system_tokens`: the
+    system text's length (never dropped, like the speaker prompt).
 
     When even the user turn alone leaves no room for the whole answer, every earlier turn goes and
     the answer is capped to what fits, if that is at least `MIN_ANSWER_FRAMES` (or all it asked).
     """
     rows = [turn_rows(t) for t in turns]
     after = list(accumulate(reversed(rows), initial=0))[::-1]  # after[k]: rows of turns[k:]
-    head = head_rows(speaker_frames) + OPENER_ROWS
+    head = head_rows(speaker_frames, system_tokens) + OPENER_ROWS
     user = SEGMENT_ROWS + user_frames
     room = max_model_len - head - answer_rows(max_frames, max_text_tokens)  # for the kept turns and the user turn
     starts = [k for k in exchange_starts(turns) if k >= min(at_least, len(turns))]

@@ -82,9 +82,18 @@ def stream0_logits_(logits: torch.Tensor, rules: np.ndarray) -> torch.Tensor:
 _CODEBOOK_BASE = vocab.DAC_OFFSET + vocab.CODEBOOK_SIZE * np.arange(vocab.NUM_CODEBOOKS)
 
 
-def aux_ids(codes: np.ndarray, active: np.ndarray) -> np.ndarray:
-    """Local codes [rows, 8] -> global ids, PAD where the stream is not active this step."""
-    return np.where(active, np.asarray(codes, dtype=np.int64) + _CODEBOOK_BASE, vocab.PAD)
+def aux_ids(codes: np.ndarray, active: np.ndarray, fill: np.ndarray | int = vocab.PAD) -> np.ndarray:
+    """Local codes [rows, 8] -> global ids; where the stream is not active this step, `fill` (PAD, or a
+    continued segment's carried prompt codes during the warm-up: `carry_fill`)."""
+    return np.where(active, np.asarray(codes, dtype=np.int64) + _CODEBOOK_BASE, fill)
+
+
+def carry_fill(carry: np.ndarray | None, audio_step: int) -> np.ndarray | int:
+    """What inactive aux streams hold at audio step `audio_step` of a request with `carry` [8, 8]: its
+    row during the warm-up, PAD otherwise."""
+    if carry is None or not 0 <= audio_step < len(carry):
+        return vocab.PAD
+    return carry[audio_step]
 
 
 # --- the text phase (engine/modality.py) ---------------------------------------------------------

@@ -21,11 +21,10 @@ import numpy as np
 
 from engine import tasks
 from engine.delay import FLUSH_STEPS
-from engine.modality import ModalitySplitter
 from engine.request import AudioRequest
 from engine.sampling import SamplingConfig
 from engine.service_api import FRAME_MS, AtCapacity, AudioChunk, EngineError, NoTextModel, SpeechOptions, TranscriptionOptions
-from engine.text import TextDeltas, TextTokenizer
+from engine.text import TextTokenizer
 
 
 
@@ -34,12 +33,13 @@ class OneShotHost(Protocol):
 
     ready: bool
     text_tokenizer: TextTokenizer | None
-    llm: object  # AsyncOpusEngine
     max_model_len: int
 
     async def tokenize_clip(self, pcm: np.ndarray) -> np.ndarray: ...
 
     def pick_rank(self) -> int: ...
+
+    def text_deltas(self, request: AudioRequest, request_id: str, rank: int = 0) -> AsyncIterator[str]: ...
 
     def stream_audio(self, request: AudioRequest, response_id: str) -> AsyncIterator[AudioChunk]: ...
 
@@ -87,19 +87,13 @@ def tts_request(text_ids: list[int], speaker_frames: np.ndarray | None, options:
 
 async def transcribe(engine: OneShotHost, pcm_16k: np.ndarray, options: TranscriptionOptions) -> AsyncIterator[str]:
     _check_ready(engine)
-    tokenizer = _text_tokenizer(engine)
+    _text_tokenizer(engine)
     pcm = np.asarray(pcm_16k)
     if pcm.ndim != 1 or pcm.size == 0:
         raise ValueError("transcribe needs mono audio with at least one sample")
     request = asr_request(await engine.tokenize_clip(pcm), options, engine.max_model_len)
-    splitter, deltas = ModalitySplitter(request.start_modality), TextDeltas(tokenizer)
-    async for chunk in engine.llm.stream_steps(request, f"asr-{next(_ids)}", engine.pick_rank()):
-        delta = deltas.push(splitter.push(chunk.steps)[0])
-        if delta:
-            yield delta
-    tail = deltas.flush()
-    if tail:
-        yield tail
+    async for delta in engine.text_deltas(request, f"asr-{next(_ids)}", engine.pick_rank()):
+        yield delta
 
 
 async def synthesize(engine: OneShotHost, text: str, options: SpeechOptions) -> AsyncIterator[AudioChunk]:

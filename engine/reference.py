@@ -179,7 +179,8 @@ class ReferenceOpusLM:
                 logits0 = heads.stream0_logits_(logits, rule)
                 active = delay.aux_active(a, eos_a)
                 tok0 = int(sample_rows(logits0, [samp], [gen0])[0])
-                step = np.concatenate([[tok0], heads.aux_ids(codes.cpu().numpy(), active)[0]])
+                fill = heads.carry_fill(request.carry, int(a[0]))
+                step = np.concatenate([[tok0], heads.aux_ids(codes.cpu().numpy(), active, fill)[0]])
                 if tok0 == vocab.SOS_EOS and eos_step == delay.NO_EOS:
                     eos_step = s
             steps.append(step)

@@ -45,6 +45,10 @@ class AudioRequest:
     min_text_tokens: int = 0
     switch_to_audio: bool = False
     text_sampling: SamplingConfig | None = None
+    # A continued segment (tasks.continuation_prompt): [8, 8] aux ids that streams 1-8 hold during the
+    # audio's warm-up instead of PAD (the prompt's last frames, which the delay carries into the first
+    # generated steps); None: a fresh segment.
+    carry: np.ndarray | None = None
     # Requests with the same salt may share KV blocks of equal prompt prefixes (a conversation's
     # history across turns); None gives the request a salt of its own. vLLM's block hashes cover
     # stream 0 only, so sharing is safe only where equal stream-0 prefixes imply equal aux streams.
@@ -76,6 +80,12 @@ class AudioRequest:
             raise ValueError(f"min_frames must be in [0, max_frames], got {self.min_frames}")
         if p[:, 1:].min() < 0 or p[:, 1:].max() >= vocab.TEXT_OFFSET:
             raise ValueError("prompt streams 1-8 must hold PAD or DAC ids")
+        if self.carry is not None:
+            c = np.asarray(self.carry)
+            if c.shape != (FLUSH_STEPS, vocab.NUM_CODEBOOKS) or c.min() < 0 or c.max() >= vocab.TEXT_OFFSET:
+                raise ValueError(f"carry must be [{FLUSH_STEPS}, {vocab.NUM_CODEBOOKS}] PAD or DAC ids, got shape {c.shape}")
+            if self.text_first:
+                raise ValueError("carry continues an audio segment: it is for audio-first requests")
         if not (np.isfinite(self.cfg_scale) and self.cfg_scale >= 0):
             raise ValueError(f"cfg_scale must be finite and >= 0, got {self.cfg_scale}")
 
@@ -113,6 +123,7 @@ class AudioRequest:
                 "realtime": bool(self.realtime),
                 "cfg_scale": float(self.cfg_scale),
                 **self._text_args(),
+                **({} if self.carry is None else {"carry": np.ascontiguousarray(self.carry, dtype=_AUX_DTYPE).tobytes()}),
             }
         }
 
@@ -160,6 +171,7 @@ class WorkerRequestSpec:
     max_text: int = 0
     switch: bool = False
     text_sampling: tuple[float, int, float] | None = None  # (temperature, top_k, top_p); seed: the request's
+    carry: np.ndarray | None = None  # [8, 8] int64
 
     @classmethod
     def from_extra_args(cls, extra_args: dict[str, Any] | None, prompt_len: int) -> "WorkerRequestSpec":
@@ -183,6 +195,8 @@ class WorkerRequestSpec:
             int(block.get("max_text", 0)),
             bool(block.get("switch", False)),
             tuple(block["text_sampling"]) if "text_sampling" in block else None,
+            np.frombuffer(block["carry"], dtype=_AUX_DTYPE).reshape(FLUSH_STEPS, vocab.NUM_CODEBOOKS).astype(np.int64)
+            if "carry" in block else None,
         )
 
 

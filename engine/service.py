@@ -313,6 +313,7 @@ class Conversation:
         self._resalts = 0
         engine.check_text_options(options)
         self._speaker: asyncio.Future | None = self._tokenize_speaker(options.speaker_prompt_pcm)
+        self._system_ids: tuple[int, ...] = engine.system_ids(options.system_prompt)
 
     @property
     def responding(self) -> bool:
@@ -333,6 +334,10 @@ class Conversation:
             self._speaker = self._tokenize_speaker(new)
             # the prompt's prefix changed: a new salt keeps the old prefix's KV out of reach
             self._salt = self._engine.new_salt(self.id)
+        system = self._engine.system_ids(options.system_prompt)
+        if system != self._system_ids:
+            self._system_ids = system
+            self._salt = self._engine.new_salt(self.id)
         self._options = options
         self._sampling = _sampling_config(options)
 
@@ -345,6 +350,10 @@ class Conversation:
             return None
         pcm = pcm[: SPEAKER_PROMPT_FRAMES * SAMPLES_PER_FRAME]
         return self._engine.tokenize(self._engine.new_tokenizer_state(), pcm, finish=True)
+
+    def _head(self) -> dict:
+        """What precedes the first turn, as the dialogue functions take it: the voice and the system text."""
+        return {"speaker_frames": self._speaker_frames(), "system_ids": self._system_ids}
 
     def _speaker_frames(self) -> np.ndarray | None:
         """The tokenized speaker prompt, or None (none given, or not tokenized yet)."""
@@ -417,7 +426,7 @@ class Conversation:
         if not fit.fits:
             return
         user.prefilled_frames, user.drop = user.num_frames, fit.drop
-        prompt = stable_user_prefix(self._turns[fit.drop :], user.all_frames(), self._speaker_frames())
+        prompt = stable_user_prefix(self._turns[fit.drop :], user.all_frames(), **self._head())
         salt = self._salt_at(self.history_dropped + fit.drop)
         self._prefill_task = asyncio.ensure_future(self._engine.prefill(prompt, salt, self.rank))
         self.prefilled_requests += 1
@@ -500,7 +509,7 @@ class Conversation:
                 spec = response.speculation
                 spec.history = (list(self._turns), list(self._exchanges), self.history_dropped)
                 # the user segment starts after the kept history and its two marker rows
-                first = len(history_rows(self._turns[fit.drop :], self._speaker_frames())) + 2
+                first = len(history_rows(self._turns[fit.drop :], **self._head())) + 2
                 spec.flushed_rows = (first + user.flushed_from, first + user.num_frames)
             self._drop_turns(fit.drop, response)
             # one exchange per response, whatever happens to it (service_api: the gateway counts on it)
@@ -532,10 +541,10 @@ class Conversation:
 
     async def _answer(self, response: Response, fit: ContextFit) -> None:
         """The answer's generation: its text first (assistant_text), then its audio (output_audio)."""
-        speaker, opts = self._speaker_frames(), self._options
+        head, opts = self._head(), self._options
         salt = self._salt_at(self.history_dropped)
         if opts.assistant_text:
-            self.last_prompt = response_prompt(self._turns, speaker, text_first=True)
+            self.last_prompt = response_prompt(self._turns, text_first=True, **head)
             text = AudioRequest(prompt=self.last_prompt, max_frames=0, start_modality=vocab.TEXT_BPE,
                                 max_text_tokens=opts.max_text_tokens, min_text_tokens=1, sampling=self._sampling,
                                 cache_salt=salt, realtime=True)
@@ -545,9 +554,9 @@ class Conversation:
             if not opts.output_audio:
                 response.deliver(AudioChunk(response.id, np.zeros(0, np.int16), 0.0, 0.0, time.monotonic(), is_last=True))
                 return
-            self.last_prompt = answer_audio_prompt(self._turns, response.text_ids, speaker)
+            self.last_prompt = answer_audio_prompt(self._turns, response.text_ids, **head)
         else:
-            self.last_prompt = response_prompt(self._turns, speaker)
+            self.last_prompt = response_prompt(self._turns, **head)
         max_frames = fit.max_frames
         if guidance.uses_cfg(opts.cfg_scale):
             max_frames = self._engine.guided_max_frames(len(self.last_prompt), max_frames)
@@ -560,7 +569,7 @@ class Conversation:
         dialogue recipe trains the user text as a target), beside the answer: an offline request that
         shares the answer's prompt prefix in the cache. The history keeps the audio only."""
         try:
-            prompt = np.concatenate([history_rows(self._turns, self._speaker_frames()),
+            prompt = np.concatenate([history_rows(self._turns, **self._head()),
                                      special_rows(vocab.USER, vocab.TEXT_BPE)])
             room = self._engine.max_model_len - len(prompt) - 4
             if room < 2:
@@ -600,7 +609,7 @@ class Conversation:
         text = self._options.max_text_tokens if self._options.assistant_text else 0
         return fit_context(self._turns, user_frames, self._engine.max_model_len, self._max_frames(),
                            self._options.retention_ratio, speaker_frames=0 if speaker is None else len(speaker),
-                           at_least=at_least, max_text_tokens=text)
+                           at_least=at_least, max_text_tokens=text, system_tokens=len(self._system_ids))
 
     def _salt_at(self, first_turn: int) -> str:
         """The prefix-cache salt of prompts whose history starts at the conversation's turn `first_turn`.
@@ -717,7 +726,7 @@ class Conversation:
 
     def next_prompt(self) -> np.ndarray:
         """The prompt the next response would start from (for tests and debugging)."""
-        return response_prompt(self._turns, self._speaker_frames())
+        return response_prompt(self._turns, **self._head())
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1029,6 +1038,20 @@ class Engine:
         if self.text_tokenizer is None:
             raise NoTextModel("this model has no text tokenizer: it reads and writes audio only")
         return self.text_tokenizer
+
+    def system_ids(self, system_prompt: str | None) -> tuple[int, ...]:
+        """The system text's global ids; () when there is none, or when the model reads no text (a client's
+        instructions are then not honoured: logged, not refused, since most clients send some)."""
+        if not system_prompt or not system_prompt.strip():
+            return ()
+        if self.text_tokenizer is None:
+            log.info("instructions ignored: the model reads no text")
+            return ()
+        ids = tuple(int(i) for i in self.text_tokenizer.encode(system_prompt))
+        cap = self.max_model_len // 4  # the conversation keeps most of the context
+        if len(ids) > cap:
+            log.warning("instructions cut to their first %d of %d tokens (a quarter of the context)", cap, len(ids))
+        return ids[:cap]
 
     def check_text_options(self, options: ConversationOptions) -> None:
         """NoTextModel / ValueError for text options this engine cannot honour."""

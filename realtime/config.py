@@ -175,6 +175,27 @@ class WebRtcSection:
 
 
 @dataclass(frozen=True)
+class AudioApiSection:
+    """OpenAI's one-shot audio endpoints (`POST /v1/audio/transcriptions`, `POST /v1/audio/speech`;
+    realtime/transports/audio_api.py), served by the same engine as the conversations."""
+
+    enabled: bool = True
+    max_upload_mb: float = 25.0  # a transcription request's body (MiB; OpenAI's file limit); larger: 413 before it is read
+    upload_timeout_s: float = 120.0  # such a request must have arrived within this (a slow upload holds a connection no longer)
+    # Decoded audio of one upload; longer: 400 audio_too_long, found while decoding (decoding stops
+    # there). The real OpusLM checkpoints hold 8192 positions (164 s of audio, prompt included).
+    max_duration_s: float = 120.0
+    max_input_chars: int = 4096  # speech `input` (OpenAI's limit); longer: 400
+    max_speech_s: float = 30.0  # audio of one speech reply (the engine's SpeechOptions.max_ms): the reply ends there
+    max_concurrent: int = 4  # one-shot requests running at once (both endpoints), so they cannot starve the sessions; beyond: 429
+    send_timeout_s: float = 30.0  # a streamed reply whose client takes nothing for this long is dropped (its generation ends)
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 2**20)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     server: ServerSection = field(default_factory=ServerSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
@@ -183,6 +204,7 @@ class ServerConfig:
     session: SessionSection = field(default_factory=SessionSection)
     telephony: TelephonySection = field(default_factory=TelephonySection)
     webrtc: WebRtcSection = field(default_factory=WebRtcSection)
+    audio_api: AudioApiSection = field(default_factory=AudioApiSection)
     engine: dict = field(default_factory=dict)  # EngineServiceConfig fields (model: null = tiny model)
 
 
@@ -236,7 +258,7 @@ def config_from_dict(data: dict | None) -> ServerConfig:
     if not isinstance(data, dict):
         raise ValueError("config: the top level must be a mapping")
     sections = {"server": ServerSection, "limits": LimitsSection, "audio": AudioSection, "vad": VadSection, "session": SessionSection,
-                "telephony": TelephonySection, "webrtc": WebRtcSection}
+                "telephony": TelephonySection, "webrtc": WebRtcSection, "audio_api": AudioApiSection}
     for k in data:
         if k not in sections and k != "engine":
             raise ValueError(f"config key '{k}': unknown section (known: {', '.join(sorted([*sections, 'engine']))})")
@@ -270,6 +292,13 @@ def validate(cfg: ServerConfig) -> None:
         ("telephony.start_timeout_s", cfg.telephony.start_timeout_s > 0),
         ("telephony.ticket_ttl_s", cfg.telephony.ticket_ttl_s > 0),
         ("telephony.max_message_bytes", cfg.telephony.max_message_bytes >= 1024),
+        ("audio_api.max_upload_mb", 0 < cfg.audio_api.max_upload_mb <= 1024),
+        ("audio_api.upload_timeout_s", cfg.audio_api.upload_timeout_s > 0),
+        ("audio_api.max_duration_s", 0 < cfg.audio_api.max_duration_s <= 3600),
+        ("audio_api.max_input_chars", cfg.audio_api.max_input_chars >= 1),
+        ("audio_api.max_speech_s", 0 < cfg.audio_api.max_speech_s <= 600),
+        ("audio_api.max_concurrent", cfg.audio_api.max_concurrent >= 1),
+        ("audio_api.send_timeout_s", cfg.audio_api.send_timeout_s > 0),
     ]
     for key, ok in checks:
         if not ok:
@@ -302,7 +331,8 @@ def validate(cfg: ServerConfig) -> None:
 
 def with_overrides(cfg: ServerConfig, **keys) -> ServerConfig:
     """Apply dotted-key overrides (from CLI flags), e.g. with_overrides(cfg, **{"server.port": 9000}); None = keep."""
-    data = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("server", "limits", "audio", "vad", "session", "telephony", "webrtc")}
+    data = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("server", "limits", "audio", "vad", "session", "telephony", "webrtc",
+                                                             "audio_api")}
     data["engine"] = dict(cfg.engine)
     for dotted, value in keys.items():
         if value is None:

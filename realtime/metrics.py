@@ -34,6 +34,13 @@ class GatewayMetrics:
         self.exchanges_dropped = Counter("duplex_context_exchanges_dropped", "Exchanges (a user turn and its answer) dropped from conversations to fit the model's context", registry=r)
         self.auth_failures = Counter("duplex_auth_failures", "Requests refused for a missing, malformed or wrong credential", ["endpoint"], registry=r)
         self.webrtc_peers = Gauge("duplex_webrtc_peer_connections", "WebRTC peer connections alive", registry=r)
+        # the one-shot audio endpoints (realtime/transports/audio_api.py); endpoint: transcriptions | speech
+        self.audio_requests = Counter("duplex_audio_api_requests", "One-shot audio requests by endpoint and outcome "
+                                      "(ok, bad_request, unauthorized, too_large, busy, at_capacity, engine_error, client_gone...)",
+                                      ["endpoint", "outcome"], registry=r)
+        self.audio_seconds = Counter("duplex_audio_api_audio_seconds", "Audio transcribed (decoded uploads) or synthesized (sent)",
+                                     ["endpoint"], registry=r)
+        self.audio_running = Gauge("duplex_audio_api_requests_running", "One-shot audio requests running now", registry=r)
         self.engine_step_ms = Gauge("duplex_engine_step_ms", "Recent engine step time", registry=r)
         self.engine_batch = Gauge("duplex_engine_batch_size", "Recent mean engine batch size", registry=r)
         self.engine_capacity = Gauge("duplex_engine_capacity", "Conversations the engine can serve in real time", registry=r)

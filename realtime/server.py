@@ -8,13 +8,21 @@
     POST /v1/realtime/calls     WebRTC SDP offer -> answer (auth; realtime/transports/webrtc.py)
     WS   /v1/telephony/twilio   Twilio Media Streams (token in `start`; realtime/transports/twilio.py)
     POST /v1/telephony/twiml    TwiML for a call (realtime/transports/twilio.py)
+    POST /v1/audio/transcriptions, /v1/audio/speech   OpenAI's one-shot audio API (auth; realtime/transports/audio_api.py)
 
 The transports are the explicit list `TRANSPORTS`: each `register(ctx)` adds its routes, bound to
 what it needs from `TransportContext`, and they share one admission path (realtime/admission.py).
+
+An HTTP route's handler runs in its own task while the server watches the connection: a client
+that goes away cancels it (and so the engine request it awaits). A handler may return an
+`HttpStream`, which the server writes itself, chunked, then closes the connection
+(realtime/http_stream.py says why; websockets' `open_timeout` is therefore off and `BodyConnection`
+holds the request's deadline).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -23,21 +31,24 @@ from http import HTTPStatus
 from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection, serve
-from websockets.http11 import Request, Response
+from websockets.datastructures import Headers
+from websockets.http11 import SERVER, Request, Response
 
 from engine.service_api import EngineLike
 from realtime.admission import Admission
 from realtime.config import ServerConfig
-from realtime.http import BodyConnection, HttpReply, HttpRequest, Routes, TokenAuth, respond, static_file
+from realtime.http import (MAX_BODY, BodyConnection, BodyLimit, HttpReply, HttpRequest, HttpRoute, Routes, TokenAuth, json_error,
+                           respond, static_file)
+from realtime.http_stream import HttpStream, send_stream, wait_lost
 from realtime.metrics import CONTENT_TYPE, GatewayMetrics
-from realtime.transports import twilio, webrtc, websocket
+from realtime.transports import audio_api, twilio, webrtc, websocket
 from realtime.transports.context import TransportContext
 from realtime.vad_batch import VadBatcher
 from realtime.voices import load_voices
 
 log = logging.getLogger("duplex.gateway")
 
-TRANSPORTS = (websocket, webrtc, twilio)  # a new transport is one new module here
+TRANSPORTS = (websocket, webrtc, twilio, audio_api)  # a new transport is one new module here
 
 
 class Gateway:
@@ -59,6 +70,7 @@ class Gateway:
         self.routes = Routes()
         self._server = None
         self._cleanup: list[Callable[[], Awaitable[None]]] = []  # transports' resources, closed at stop()
+        self._exchanges: set[asyncio.Task] = set()  # HTTP handlers running (their replies streaming), cancelled at stop()
         self.port: int | None = None
         ctx = TransportContext(config, self.admission, self.metrics, self.auth, self.voices, self.routes, self._cleanup.append)
         self.transports = {t.NAME: t.register(ctx) for t in TRANSPORTS}  # name -> the transport's state (tests read it)
@@ -76,10 +88,15 @@ class Gateway:
 
         class Connection(BodyConnection):
             on_incomplete_handshake = staticmethod(self.metrics.handshakes_incomplete.inc)
+            request_timeout_s = lim.open_timeout_s
+            body_limit = staticmethod(self._body_limit)
+            on_body_refused = staticmethod(self._body_refused)
 
+        # open_timeout=None: websockets' would also bound process_request, where replies stream
+        # (realtime/http_stream.py); Connection holds the handshake's deadline instead
         self._server = await serve(
             self._handle_ws, self.config.server.host, self.config.server.port, process_request=self._process_request,
-            max_size=lim.max_message_bytes, open_timeout=lim.open_timeout_s, close_timeout=lim.close_timeout_s,
+            max_size=lim.max_message_bytes, open_timeout=None, close_timeout=lim.close_timeout_s,
             ping_interval=lim.ping_interval_s, ping_timeout=lim.ping_timeout_s, max_queue=32, compression=None,
             create_connection=Connection,
         )
@@ -92,6 +109,10 @@ class Gateway:
     async def stop(self) -> None:
         """Tell every session the server is going away, close them, stop listening."""
         await self.admission.stop()
+        for task in self._exchanges:
+            task.cancel()  # a transcription or a streamed reply in progress: its engine request ends
+        if self._exchanges:
+            await asyncio.wait(self._exchanges, timeout=self.config.limits.close_timeout_s)
         for close in self._cleanup:
             await close()
         if self._server is not None:
@@ -155,8 +176,12 @@ class Gateway:
             self.metrics.auth_failures.labels(path if known else "other").inc()
             if ws_route or http_route:
                 self.metrics.sessions_refused.labels("unauthorized").inc()
-            return respond(connection, HttpReply(HTTPStatus.UNAUTHORIZED, "missing or invalid token\n",
-                                                 headers={"WWW-Authenticate": 'Bearer realm="duplex"'}))
+            challenge = {"WWW-Authenticate": 'Bearer realm="duplex"'}
+            if http_route is not None:  # an API client reads an OpenAI-shaped error
+                if http_route.on_refused is not None:
+                    http_route.on_refused(HTTPStatus.UNAUTHORIZED)
+                return respond(connection, json_error(HTTPStatus.UNAUTHORIZED, "invalid_api_key", "missing or invalid token", challenge))
+            return respond(connection, HttpReply(HTTPStatus.UNAUTHORIZED, "missing or invalid token\n", headers=challenge))
         if path == "/metrics":
             return respond(connection, HttpReply(HTTPStatus.OK, self.metrics.render(self.engine), CONTENT_TYPE))
         if http_route is not None:
@@ -164,17 +189,69 @@ class Gateway:
                 return respond(connection, HttpReply(HTTPStatus.METHOD_NOT_ALLOWED, f"use {' or '.join(http_route.methods)}\n",
                                                      headers={"Allow": ", ".join(http_route.methods)}))
             req = HttpRequest(request.method, path, query, request.headers, getattr(connection, "body", b""))
-            try:
-                reply = await http_route.handler(req)
-            except Exception:
-                log.exception("%s %s failed", request.method, path)
-                reply = HttpReply(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error (see the server log)\n")
-            return respond(connection, reply)
+            return await self._serve_http(connection, http_route, req)
         if ws_route is None:
             return respond(connection, HttpReply(HTTPStatus.NOT_FOUND, "not found\n"))
         if request.method != "GET" or request.headers.get("Upgrade", "").lower() != "websocket":
             return respond(connection, HttpReply(HTTPStatus.UPGRADE_REQUIRED, "this endpoint is a WebSocket\n"))
         return None
+
+    async def _serve_http(self, connection: BodyConnection, route: HttpRoute, req: HttpRequest) -> Response:
+        """Run the route's handler in a task, cancelled when the client goes away (its engine request
+        ends) or the server stops. A streamed reply is written here and the connection closed: the
+        Response returned then is never sent (websockets sends nothing on a closed connection)."""
+        work = asyncio.ensure_future(self._exchange(connection, route, req))
+        self._exchanges.add(work)
+        try:
+            await asyncio.wait({work, connection.lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+                await asyncio.wait({work})
+            self._exchanges.discard(work)
+        if not work.cancelled():
+            return work.result()
+        if connection.transport.is_closing():  # the client left, or a stream was cut by the stop
+            await wait_lost(connection, self.config.limits.close_timeout_s)
+            return respond(connection, HttpReply(HTTPStatus.OK))  # never sent: the connection is closed
+        return respond(connection, json_error(HTTPStatus.SERVICE_UNAVAILABLE, "server_shutting_down", "the server is shutting down"))
+
+    async def _exchange(self, connection: BodyConnection, route: HttpRoute, req: HttpRequest) -> Response:
+        lim = self.config.limits
+        try:
+            if route.bounded:
+                async with asyncio.timeout(lim.open_timeout_s):
+                    reply = await route.handler(req)
+            else:
+                reply = await route.handler(req)
+        except TimeoutError:
+            log.warning("%s %s took longer than limits.open_timeout_s (%.0f s)", req.method, req.path, lim.open_timeout_s)
+            reply = json_error(HTTPStatus.SERVICE_UNAVAILABLE, "timeout", "the request took too long; try again")
+        except Exception:
+            log.exception("%s %s failed", req.method, req.path)
+            reply = HttpReply(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error (see the server log)\n")
+        if isinstance(reply, HttpStream):
+            await send_stream(connection, reply, lim.close_timeout_s, SERVER)
+            return respond(connection, HttpReply(HTTPStatus.OK))  # never sent: send_stream closed the connection
+        return respond(connection, reply)
+
+    def _body_limit(self, target: str, headers: Headers) -> BodyLimit:
+        """A request body's limit from its head: a route's own (an audio upload), given the token."""
+        parts = urlsplit(target)
+        route = self.routes.http.get(parts.path)
+        default = BodyLimit(MAX_BODY, self.config.limits.open_timeout_s)
+        if route is None or route.max_body_bytes <= MAX_BODY:
+            return default
+        if route.auth and not self.auth.authorized(headers, parse_qs(parts.query)):
+            return BodyLimit(MAX_BODY, default.timeout_s, authorized=False)
+        return BodyLimit(route.max_body_bytes, route.body_timeout_s or default.timeout_s)
+
+    def _body_refused(self, path: str, status: int) -> None:
+        route = self.routes.http.get(path)
+        if status == HTTPStatus.UNAUTHORIZED:
+            self.metrics.auth_failures.labels(path if route is not None else "other").inc()
+        if route is not None and route.on_refused is not None:
+            route.on_refused(status)
 
     async def _handle_ws(self, ws: ServerConnection) -> None:
         route = self.routes.ws[urlsplit(ws.request.path).path]

@@ -1,7 +1,7 @@
 """`duplex generate`: offline generation of N requests of one task, on vLLM or the reference.
 
 Tasks (prompts: engine/tasks.py, engine/dialogue.py):
-  continuation  a pseudo-random audio prompt -> more audio (the default; engine/prompt.py)
+  continuation  a pseudo-random audio clip -> more of it (the default)
   asr           a pseudo-random audio clip -> its "transcript" (text)
   tts           --text -> speech
   dialogue      a pseudo-random user turn -> the assistant's text, then (a second request on the text
@@ -27,7 +27,7 @@ import numpy as np
 from engine import tasks, vocab
 from engine.dialogue import DialogueTurn, answer_audio_prompt, response_prompt
 from engine.cli import CliError
-from engine.prompt import random_frames, synthetic_prompt, synthetic_prompt_frames
+from engine.prompt import random_frames, synthetic_prompt_frames
 from engine.request import AudioRequest, Generation
 from engine.sampling import SamplingConfig
 
@@ -110,8 +110,9 @@ def build_plan(args: argparse.Namespace, text_tokenizer=None) -> Plan:
         text = dict(max_frames=0, start_modality=vocab.TEXT_BPE, max_text_tokens=args.max_tokens,
                     min_text_tokens=args.min_tokens, sampling=sampling)
         clip = lambda: random_frames(np.random.default_rng([args.prompt_seed, i]), synthetic_prompt_frames(i, args.prompt_frames))
-        if args.task == "continuation":
-            reqs.append(AudioRequest(prompt=synthetic_prompt(i, args.prompt_frames, seed=args.prompt_seed), **audio))
+        if args.task == "continuation":  # ESPnet's audiolm task: the prompt's segment goes on (its delay carry)
+            prompt = tasks.continuation_prompt(clip())
+            reqs.append(AudioRequest(prompt=prompt.rows, carry=prompt.carry[:, 1:], **audio))
         elif args.task == "asr":
             reqs.append(AudioRequest(prompt=tasks.asr_prompt(clip()).rows, **text))
         elif args.task == "tts":

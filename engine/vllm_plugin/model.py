@@ -8,7 +8,9 @@ vLLM's sequence is stream 0. In every forward:
   2. `compute_logits` returns stream 0's logits, masked to what the delay pattern allows this
      step, for vLLM's own sampler; and in the same call samples streams 1-8 from
      lm_head(h + head_emb[k]) with the request's sampling parameters and records them, so they
-     feed the next step's embedding and leave with this step's output.
+     feed the next step's embedding and leave with this step's output. A row in a text phase
+     (engine/modality.py) instead samples its stream-0 text token here (`step_text`, which the
+     runner writes over vLLM's sample) and leaves streams 1-8 PAD.
 
 The runner (runner.py) tells the model which request each row is before the forward.
 Tensor parallelism is not supported (the heads slice the full lm_head).
@@ -168,7 +170,7 @@ class OpusLMForCausalLM(nn.Module):
         request's text sampling (`step_text`, which the runner writes over vLLM's sample: their
         logits row is a placeholder). Returns stream 0's logits, one row per row of `hidden`."""
         dev = hidden.device
-        audio_rows, text_rows = np.nonzero(~text)[0], np.nonzero(text)[0]
+        audio_rows = np.nonzero(~text)[0]
         logits0 = torch.full((hidden.shape[0], heads.STREAM0_WIDTH), float("-inf"), device=dev)
         logits0[:, vocab.PAD] = 0.0  # the text rows' placeholder
         of_row = np.arange(hidden.shape[0]) if rows_of is None else rows_of  # batch row -> row of `hidden`
@@ -280,7 +282,8 @@ class OpusLMForCausalLM(nn.Module):
             aux = aux[torch.from_numpy(src).to(projected.device)]
         configs, gens = self.streams.sampling_rows(batch, sampled)
         codes = sample_rows(aux, configs, gens)
-        ids = heads.aux_ids(codes.cpu().numpy(), plan.active[sampled])
+        ids = heads.aux_ids(codes.cpu().numpy(), plan.active[sampled],
+                            self.streams.aux_fill(batch, sampled, plan.audio_steps[sampled]))
         if len(sampled) == len(rows):
             return ids
         out = np.empty((len(rows), ids.shape[1]), dtype=ids.dtype)

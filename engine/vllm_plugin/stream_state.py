@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine import delay, guidance, modality, vocab
+from engine import delay, guidance, heads, modality, vocab
 from engine.request import WorkerRequestSpec
 from engine.sampling import SamplingConfig
 
@@ -45,6 +45,7 @@ class RequestStreams:
     switch: bool = False
     text_sampling: SamplingConfig | None = None
     text_generator: torch.Generator | None = None
+    carry: np.ndarray | None = None  # [8, 8]: a continued segment's warm-up (heads.carry_fill)
 
     def append(self, ids: np.ndarray) -> None:
         if self.num_positions == self.aux.shape[0]:
@@ -84,6 +85,7 @@ class StepPlan:
     rules: np.ndarray  # [rows] Stream0Rule (audio rows)
     active: np.ndarray  # [rows, 8] aux stream samples (else PAD)
     commit: np.ndarray  # [rows] bool: this row produces a new step
+    audio_steps: np.ndarray | None = None  # [rows] generated steps counted from each row's audio start
     text: np.ndarray | None = None  # [rows] bool: in a text phase (None: no row is)
     text_rules: np.ndarray | None = None  # [rows] modality.TextRule (text rows)
     switch: np.ndarray | None = None  # [rows] bool: the text phase may switch to audio
@@ -137,6 +139,7 @@ class StreamStateStore:
             switch=spec.switch,
             text_sampling=text_sampling,
             text_generator=text_sampling.text_generator(device) if text_sampling else None,
+            carry=spec.carry,
         )
         if spec.shadow_of is not None or guidance.uses_cfg(spec.cfg_scale):
             self.num_cfg += 1
@@ -201,7 +204,7 @@ class StreamStateStore:
         if not audio_start.any():  # every row's audio started with its generation: the steps are the segment's
             rules = delay.stream0_rules(steps, eos, np.array([s.min_frames for s in states]),
                                         np.array([s.max_frames for s in states]))
-            return StepPlan(rules=rules, active=delay.aux_active(steps, eos), commit=commit)
+            return StepPlan(rules=rules, active=delay.aux_active(steps, eos), commit=commit, audio_steps=steps)
         text = audio_start == modality.NOT_SWITCHED
         a_steps, a_eos = modality.audio_steps(steps, audio_start, eos)
         rules = delay.stream0_rules(a_steps, a_eos, np.array([s.min_frames for s in states]),
@@ -211,8 +214,9 @@ class StreamStateStore:
                                          np.array([s.max_text for s in states]), switch)
         active = delay.aux_active(a_steps, a_eos) & ~text[:, None]
         if not text.any():
-            return StepPlan(rules=rules, active=active, commit=commit)
-        return StepPlan(rules=rules, active=active, commit=commit, text=text, text_rules=text_rules, switch=switch)
+            return StepPlan(rules=rules, active=active, commit=commit, audio_steps=a_steps)
+        return StepPlan(rules=rules, active=active, commit=commit, audio_steps=a_steps, text=text,
+                        text_rules=text_rules, switch=switch)
 
     def commit(self, batch: StepBatch, plan: StepPlan, ids: np.ndarray) -> None:
         """Record the aux ids [n_commit, 8] sampled for the committing rows of this step."""
@@ -237,6 +241,15 @@ class StreamStateStore:
     def text_sampling_rows(self, batch: StepBatch, rows: np.ndarray) -> tuple[list[SamplingConfig], list[torch.Generator | None]]:
         states = [self.requests[batch.req_ids[r]] for r in rows]
         return [s.text_sampling for s in states], [s.text_generator for s in states]
+
+    def aux_fill(self, batch: StepBatch, rows: np.ndarray, audio_steps: np.ndarray) -> np.ndarray | int:
+        """What the inactive aux streams of `rows` hold this step (heads.carry_fill): PAD unless a row
+        continues a segment and is in its warm-up."""
+        states = [self.requests[batch.req_ids[r]] for r in rows]
+        if all(s.carry is None for s in states):
+            return vocab.PAD
+        return np.stack([np.broadcast_to(heads.carry_fill(s.carry, int(a)), (vocab.NUM_CODEBOOKS,))
+                         for s, a in zip(states, audio_steps)])
 
     def sampling_rows(self, batch: StepBatch, rows: np.ndarray) -> tuple[list[SamplingConfig], list[torch.Generator | None]]:
         states = [self.requests[batch.req_ids[r]] for r in rows]

@@ -86,8 +86,9 @@ async def _serve(cfg: ServerConfig, ecfg, voices: dict) -> int:
         _freeze_startup_heap()
         base = cfg.server.public_url or f"http://{cfg.server.host}:{gw.port}"
         ws = base.replace("http", "ws", 1)
+        audio = f"\n  audio api:  {base}/v1/audio/transcriptions, {base}/v1/audio/speech" if cfg.audio_api.enabled else ""
         print(f"duplex serve: ready\n  demo page:  {base}/?token={token}\n  websocket:  {ws}/v1/realtime  "
-              f"(Authorization: Bearer {token})\n  metrics:    {base}/metrics   health: {base}/healthz", flush=True)
+              f"(Authorization: Bearer {token}){audio}\n  metrics:    {base}/metrics   health: {base}/healthz", flush=True)
         # SIGTERM (a rolling restart, Kubernetes, systemd): drain, the running calls end on their own
         # (up to limits.drain_timeout_s) while the balancer sends new ones elsewhere. SIGINT (Ctrl-C),
         # or a second SIGTERM while draining: stop now.

@@ -21,6 +21,7 @@ from engine.reference import ReferenceOpusLM
 from engine.request import AudioRequest
 from engine.sampling import GREEDY, SamplingConfig
 from engine.vllm_plugin.cfg_pairs import CfgPairsMixin
+from parity import assert_same_steps as assert_same
 
 SCALES = [1.0, 3.0, 1.5, 0.5, 2.0]
 
@@ -46,14 +47,6 @@ async def run_collect(engine, req: AudioRequest):
     chunks = [c async for c in engine.stream_steps(req)]
     steps = np.concatenate([c.steps for c in chunks]) if chunks else np.empty((0, 9), np.int64)
     return steps, max(c.engine_cfg_pairs for c in chunks), max(c.num_preemptions for c in chunks)
-
-
-def assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    if not np.array_equal(got, want):
-        n = min(len(got), len(want))
-        bad = np.argwhere(got[:n] != want[:n])
-        where = f"first difference at step/stream {tuple(bad[0])}" if len(bad) else "lengths differ"
-        raise AssertionError(f"{what}: vLLM {got.shape} != reference {want.shape}; {where}")
 
 
 # --- pure parts ------------------------------------------------------------------------------

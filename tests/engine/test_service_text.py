@@ -120,6 +120,30 @@ def test_text_only_answers_transcripts_and_typed_turns(engine, loop_thread, ref,
     assert typed_transcript == [] and "".join(c.text_delta for c in typed_chunks)
 
 
+def test_instructions_are_the_system_text_after_the_task_marker(engine, loop_thread, ref, tok) -> None:
+    opts = ConversationOptions(temperature=0.0, max_response_ms=300.0, system_prompt="Be brief and kind.")
+
+    async def run():
+        conv = engine.open_conversation("system", opts)
+        conv.push_user_audio(speech(0.5, seed=4))
+        chunks, _ = await answer(conv, "s1")
+        prompt, turns = conv.last_prompt, list(conv._turns)
+        conv.update_options(ConversationOptions(temperature=0.0, max_response_ms=300.0))  # instructions gone
+        conv.push_user_audio(speech(0.4, seed=5))
+        await answer(conv, "s2")
+        second = conv.last_prompt
+        await conv.close()
+        return prompt, turns, second
+
+    prompt, (user, said), second = loop_thread.run(run())
+    ids = [int(i) for i in tok.encode("Be brief and kind.")]
+    head = np.concatenate([special_rows(vocab.SOS_EOS, vocab.TASK_AUDIO_DIALOGUE, vocab.SYSTEM, vocab.TEXT_BPE, *ids),
+                           special_rows(*[vocab.PAD] * 8)])
+    np.testing.assert_array_equal(prompt[: len(head)], head)
+    np.testing.assert_array_equal(said.frames, ref.generate(AudioRequest(prompt, 15, 1, GREEDY)).frames)
+    assert second[2, 0] == vocab.USER  # the next prompt has no system segment
+
+
 def test_text_options_need_a_text_model_and_make_sense(engine, loop_thread) -> None:
     with pytest.raises(ValueError, match="assistant_text"):
         engine.open_conversation("bad1", ConversationOptions(output_audio=False))

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from engine import checkpoint, modality, vocab
@@ -20,6 +19,7 @@ from engine.prompt import audio_segment, random_frames, special_rows, synthetic_
 from engine.reference import ReferenceOpusLM
 from engine.request import AudioRequest
 from engine.sampling import GREEDY, SamplingConfig
+from parity import assert_same_steps
 
 TEXT_LO, TEXT_HI = vocab.TEXT_OFFSET, vocab.TEXT_OFFSET + 512  # the tiny model's text range
 
@@ -49,14 +49,6 @@ def tts(i: int, frames: int = 14) -> AudioRequest:
     prompt = np.concatenate([special_rows(vocab.SOS_EOS, vocab.TASK_TTS, vocab.USER, vocab.TEXT_BPE, *text),
                              special_rows(*[vocab.PAD] * 8), special_rows(vocab.ASSISTANT, vocab.CODEC_SSL)])
     return AudioRequest(prompt, max_frames=frames, min_frames=3, sampling=GREEDY)
-
-
-def assert_same_steps(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    if not np.array_equal(got, want):
-        n = min(len(got), len(want))
-        bad = np.argwhere(got[:n] != want[:n])
-        where = f"first difference at step/stream {tuple(bad[0])}" if len(bad) else "lengths differ"
-        raise AssertionError(f"{what}: vLLM {got.shape} != reference {want.shape}; {where}")
 
 
 def gather(loop_thread, engine, reqs):
@@ -213,6 +205,27 @@ def test_greedy_parity_under_preemption_across_a_switch(loop_thread, engine_fact
     assert sum(g.num_preemptions for g in gens) > 0, "KV pressure did not preempt anything"
     for i, (req, gen) in enumerate(zip(reqs, gens)):
         assert_same_steps(gen.steps, ref.generate(req).steps, f"request {i} (preempted {gen.num_preemptions}x)")
+
+
+@pytest.mark.vllm
+def test_a_continued_segment_carries_the_prompt_frames_through_the_warm_up(vllm_engine, loop_thread, ref) -> None:
+    from engine import tasks
+
+    clips = [random_frames(np.random.default_rng([11, i]), 9 + 4 * i) for i in range(3)]
+    prompts = [tasks.continuation_prompt(c) for c in clips]
+    reqs = [AudioRequest(p.rows, 16, 16, GREEDY, carry=p.carry[:, 1:]) for p in prompts]
+    reqs.append(AudioRequest(prompts[0].rows, 16, 16, GREEDY))  # the same prompt, warm-up forced to PAD
+    gens = gather(loop_thread, vllm_engine, reqs + [asr(5)])[:4]
+    for i, (req, gen) in enumerate(zip(reqs, gens)):
+        assert_same_steps(gen.steps, ref.generate(req).steps, f"request {i}")
+    for clip, gen in zip(clips, gens):
+        for s in range(FLUSH_STEPS):  # stream k at step s < k holds the clip's frame T + s - k
+            for k in range(s + 1, vocab.NUM_STREAMS):
+                assert gen.steps[s, k] == clip[len(clip) + s - k, k]
+        assert len(gen.frames) == 16 and vocab.in_stream_range(gen.frames).all()
+    assert (gens[3].steps[0, 1:] == vocab.PAD).all() and not np.array_equal(gens[3].steps, gens[0].steps)
+    with pytest.raises(ValueError, match="carry"):
+        AudioRequest(prompts[0].rows, 16, carry=np.zeros((3, 8), np.int64))
 
 
 @pytest.mark.vllm

@@ -13,6 +13,7 @@ from engine.prompt import synthetic_prompt
 from engine.reference import ReferenceOpusLM
 from engine.request import AudioRequest
 from engine.sampling import GREEDY, SamplingConfig
+from parity import assert_same_steps
 
 pytestmark = pytest.mark.vllm
 
@@ -30,14 +31,6 @@ def ragged_requests(n: int, prompt_frames: int = 24) -> list[AudioRequest]:
         min_frames = max_frames if i % 2 == 0 else 1  # odd ones may end early on their own
         reqs.append(AudioRequest(synthetic_prompt(i, prompt_frames), max_frames, min_frames, GREEDY))
     return reqs
-
-
-def assert_same_steps(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    if not np.array_equal(got, want):
-        n = min(len(got), len(want))
-        bad = np.argwhere(got[:n] != want[:n])
-        where = f"first difference at step/stream {tuple(bad[0])}" if len(bad) else "lengths differ"
-        raise AssertionError(f"{what}: vLLM {got.shape} != reference {want.shape}; {where}")
 
 
 def test_greedy_parity_ragged_batch_with_late_arrival(vllm_engine, loop_thread, ref) -> None:

@@ -55,11 +55,24 @@ text tokenizer, `supports_text` False, and the text options and `add_user_text` 
   (its `HistoryTurn.text`). Empty text: ValueError.
 - Options are fixed per response at `respond()` (the engine reads them when the answer starts: the
   gateway sets them before `respond()`); `output_audio=False` without `assistant_text`: ValueError.
+
+One-shot requests (the /v1/audio endpoints), async generators: their errors come at the first
+`anext`, and each is recorded as a `OneShot` (`engine.transcriptions`, `engine.syntheses`) whose
+`status` goes running -> completed (its last item taken) | cancelled (closed before) | failed.
+- `transcribe(pcm)` yields `fake_transcript(pcm)` ("i heard 1500 milliseconds of audio": the
+  audio's length as the engine got it) word by word, one delta every `oneshot_step_s`.
+- `synthesize(text)` yields `speech_ms(text)` (60 ms a character, capped by `SpeechOptions.max_ms`)
+  of `speech_pcm(text, ...)`, a sine whose frequency is `speech_hz(text)`, in `chunk_ms` chunks,
+  one every `oneshot_step_s`, the last with `is_last`. Empty text: ValueError.
+- `text_model=False`: both raise `NoTextModel`. `oneshot_capacity=N`: a request beyond N running at
+  once (or any while `ready` is False) raises `AtCapacity`. `oneshot_fail_after=N`: an
+  `EngineError` after N deltas or chunks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -80,6 +93,8 @@ from engine.service_api import (
     NoTextModel,
     ResponseInProgress,
     Role,
+    SpeechOptions,
+    TranscriptionOptions,
 )
 
 SAMPLES_PER_MS = SAMPLE_RATE_HZ // 1000  # 16
@@ -109,6 +124,41 @@ def answer_text(conv_index: int, response_index: int) -> str:
 def user_transcript_text(frames: int) -> str:
     """What the fake "hears" in a user turn of `frames` 20 ms frames: its length."""
     return f"you spoke for {frames * int(FRAME_MS)} milliseconds"
+
+
+def fake_transcript(pcm: np.ndarray) -> str:
+    """What the fake engine "hears" in 16 kHz `pcm`: its length."""
+    return f"i heard {round(1000 * pcm.size / SAMPLE_RATE_HZ)} milliseconds of audio"
+
+
+SPEECH_MS_PER_CHAR = 60.0
+
+
+def speech_ms(text: str, max_ms: float = SpeechOptions().max_ms) -> float:
+    return min(SPEECH_MS_PER_CHAR * len(text), max_ms)
+
+
+def speech_hz(text: str) -> float:
+    return 200.0 + 20.0 * (len(text) % 20)
+
+
+def speech_pcm(text: str, start_sample: int, n: int) -> np.ndarray:
+    """Samples [start_sample, start_sample + n) of the fake's speech for `text`: a sine at speech_hz(text)."""
+    pos = np.arange(start_sample, start_sample + n, dtype=np.float64)
+    return np.round(8000.0 * np.sin(2 * np.pi * speech_hz(text) * pos / SAMPLE_RATE_HZ)).astype(np.int16)
+
+
+@dataclass
+class OneShot:
+    """One transcribe/synthesize call, as the fake saw it."""
+
+    kind: str  # "transcribe" | "synthesize"
+    options: TranscriptionOptions | SpeechOptions
+    pcm: np.ndarray | None = None  # transcribe: the audio it was given
+    text: str = ""  # synthesize: the text
+    status: str = "pending"  # pending -> running -> completed | cancelled | failed (or pending -> refused)
+    delivered: int = 0  # deltas or chunks yielded so far
+    total: int = 0  # deltas or chunks it will yield when it runs to the end
 
 
 @dataclass(frozen=True)
@@ -576,9 +626,18 @@ class FakeEngine:
 
     def __init__(self, capacity: int = 4, *, answer_ms: float = 1000.0, chunk_ms: float = 80.0, step_s: float = 0.0,
                  fail_after_chunks: int | None = None, deadline_offset_s: float = 0.5, text: str = "",
-                 context_exchanges: int | None = None, text_model: bool = True) -> None:
+                 context_exchanges: int | None = None, text_model: bool = True, oneshot_step_s: float = 0.005,
+                 oneshot_capacity: int | None = None, oneshot_fail_after: int | None = None) -> None:
         self.capacity = capacity
-        self.text_model = text_model  # False: a model without a text tokenizer (supports_text False)
+        # False: a model without a text tokenizer (supports_text False): text options, typed turns,
+        # transcribe and synthesize raise NoTextModel
+        self.text_model = text_model
+        self.oneshot_step_s = oneshot_step_s  # wall time per transcript delta or speech chunk
+        self.oneshot_capacity = oneshot_capacity  # one-shot requests running at once; None: no bound
+        self.oneshot_fail_after = oneshot_fail_after  # EngineError after this many deltas/chunks
+        self.transcriptions: list[OneShot] = []
+        self.syntheses: list[OneShot] = []
+        self.oneshots_running = 0
         self.context_exchanges = context_exchanges  # None: the history grows without bound
         self.plan = AnswerPlan(answer_ms, chunk_ms, step_s, fail_after_chunks, deadline_offset_s, text)
         self.ready = True
@@ -648,3 +707,76 @@ class FakeEngine:
     def conversation(self, session_id: str) -> FakeConversation:
         """The last conversation opened under this id (open or closed)."""
         return next(c for c in reversed(self.opened) if c.id == session_id)
+
+    # ---- one-shot requests ----
+    def transcribe(self, pcm_16k: np.ndarray, options: TranscriptionOptions | None = None) -> AsyncIterator[str]:
+        pcm = np.asarray(pcm_16k)
+        shot = OneShot("transcribe", options or TranscriptionOptions(), pcm=pcm.copy())
+        self.transcriptions.append(shot)
+        words = fake_transcript(pcm).split()
+        shot.total = len(words)
+
+        async def deltas() -> AsyncIterator[str]:
+            if pcm.ndim != 1 or pcm.dtype != np.int16:
+                raise ValueError(f"audio must be mono int16, got {pcm.dtype} {pcm.shape}")
+            async with self._running(shot):
+                for k, word in enumerate(words):
+                    await self._step(shot, k)
+                    shot.delivered += 1
+                    yield word if k == 0 else " " + word
+
+        return deltas()
+
+    def synthesize(self, text: str, options: SpeechOptions | None = None) -> AsyncIterator[AudioChunk]:
+        options = options or SpeechOptions()
+        shot = OneShot("synthesize", options, text=text)
+        self.syntheses.append(shot)
+        total = ms_to_samples(speech_ms(text, options.max_ms))
+        per_chunk = max(1, ms_to_samples(self.plan.chunk_ms))
+        shot.total = -(-total // per_chunk)
+        rid = f"speech_{len(self.syntheses)}"
+
+        async def chunks() -> AsyncIterator[AudioChunk]:
+            if not text.strip():
+                raise ValueError("nothing to say: the text is empty")
+            async with self._running(shot):
+                start_time = time.monotonic()
+                for k, start in enumerate(range(0, total, per_chunk)):
+                    await self._step(shot, k)
+                    n = min(per_chunk, total - start)
+                    shot.delivered += 1
+                    yield AudioChunk(response_id=rid, pcm=speech_pcm(text, start, n), start_ms=start / SAMPLES_PER_MS,
+                                     duration_ms=n / SAMPLES_PER_MS, deadline=start_time + start / SAMPLE_RATE_HZ + 0.5,
+                                     is_last=start + n >= total)
+
+        return chunks()
+
+    @contextlib.asynccontextmanager
+    async def _running(self, shot: OneShot):
+        """Admit a one-shot request (NoTextModel, AtCapacity), count it while it runs, record how it ends."""
+        if not self.text_model:
+            shot.status = "refused"
+            raise NoTextModel("the model has no text tokenizer")
+        if not self.ready or (self.oneshot_capacity is not None and self.oneshots_running >= self.oneshot_capacity):
+            shot.status = "refused"
+            raise AtCapacity("engine is not ready" if not self.ready else
+                             f"server at capacity: {self.oneshots_running} one-shot requests running")
+        self.oneshots_running += 1
+        shot.status = "running"
+        try:
+            yield
+            shot.status = "completed"
+        except EngineError:
+            shot.status = "failed"
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            # closed (or cancelled) by the consumer: before the last item, the request is cancelled
+            shot.status = "completed" if shot.delivered == shot.total else "cancelled"
+            raise
+        finally:
+            self.oneshots_running -= 1
+
+    async def _step(self, shot: OneShot, k: int) -> None:
+        await asyncio.sleep(self.oneshot_step_s)  # one engine step (0: one loop turn)
+        if self.oneshot_fail_after is not None and k >= self.oneshot_fail_after:
+            raise InjectedFailure(f"injected failure after {k} of {shot.total} ({shot.kind})")

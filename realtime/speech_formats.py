@@ -1,0 +1,122 @@
+"""The speech endpoint's `response_format`s: the engine's 16 kHz PCM out as OpenAI's formats, streamed.
+
+    enc = SpeechEncoder("mp3")                 # blocking work: call encode/finish in a thread
+    enc.encode(pcm_16k) -> bytes               # whatever is ready (may be b"": the codec holds a frame back)
+    enc.finish() -> bytes                      # the rest, and the container's trailer
+
+Every format is mono at 24 kHz, OpenAI's output rate (resampled from the engine's 16 kHz by soxr,
+`realtime.audio.StreamResampler`):
+
+    pcm    raw signed 16-bit little-endian samples, no header (OpenAI's "pcm")      audio/pcm
+    wav    a 44-byte RIFF/WAVE header, then the same samples                          audio/wav
+    mp3    MPEG-1 Layer III, libmp3lame, 64 kbit/s                                    audio/mpeg
+    aac    AAC-LC in ADTS frames, FFmpeg's encoder, 64 kbit/s                         audio/aac
+    opus   Opus (libopus, 32 kbit/s) in Ogg, a page every 100 ms                      audio/ogg
+    flac   FLAC                                                                       audio/flac
+
+Streamed means nothing is ever rewritten: the output is a pipe, not a file. WAV's header is written
+before the length is known, so its two sizes (RIFF and data) hold 0xFFFFFFFF, the "length unknown,
+read to the end" value streaming WAV writers use (FFmpeg, libsndfile and Python's `wave` read such a
+file to its end). PyAV muxes the other four into a sink that cannot seek, so FLAC's STREAMINFO leaves
+its total-samples field 0 ("unknown", as the format allows) and MP3 carries no seek table.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import av
+import numpy as np
+
+from engine.service_api import SAMPLE_RATE_HZ
+from realtime.audio import StreamResampler
+
+RATE_HZ = 24_000  # OpenAI's speech output rate, every format
+UNKNOWN_SIZE = 0xFFFFFFFF  # a streamed WAV's RIFF and data sizes
+
+CONTENT_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
+                 "pcm": "audio/pcm"}
+FORMATS = tuple(CONTENT_TYPES)
+# format -> (FFmpeg muxer, encoder, bit rate or None, muxer options)
+_CODECS = {
+    "mp3": ("mp3", "libmp3lame", 64_000, {}),
+    "aac": ("adts", "aac", 64_000, {}),
+    "opus": ("ogg", "libopus", 32_000, {"page_duration": "100000"}),  # microseconds: a page (and bytes out) every 100 ms
+    "flac": ("flac", "flac", None, {}),
+}
+
+
+def wav_header(rate_hz: int = RATE_HZ) -> bytes:
+    """RIFF/WAVE, PCM 16-bit mono, both sizes UNKNOWN_SIZE (a stream)."""
+    fmt = struct.pack("<HHIIHH", 1, 1, rate_hz, rate_hz * 2, 2, 16)
+    return b"RIFF" + struct.pack("<I", UNKNOWN_SIZE) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", UNKNOWN_SIZE)
+
+
+class _Sink:
+    """A write-only byte pipe for PyAV's muxer (no seek: nothing already sent is rewritten)."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self._parts.append(bytes(data))
+        return len(data)
+
+    def take(self) -> bytes:
+        out = b"".join(self._parts)
+        self._parts.clear()
+        return out
+
+
+class SpeechEncoder:
+    """One reply's audio in `fmt` (one of FORMATS); `encode` then `finish`, from one thread at a time."""
+
+    def __init__(self, fmt: str) -> None:
+        if fmt not in CONTENT_TYPES:
+            raise ValueError(f"unknown speech format {fmt!r}")
+        self.fmt = fmt
+        self.content_type = CONTENT_TYPES[fmt]
+        self._resampler = StreamResampler(SAMPLE_RATE_HZ, RATE_HZ)
+        self._header = wav_header() if fmt == "wav" else b""
+        self._pts = 0
+        self._finished = False
+        self._container = self._stream = self._sink = None
+        if fmt in _CODECS:
+            muxer, codec, bit_rate, options = _CODECS[fmt]
+            self._sink = _Sink()
+            self._container = av.open(self._sink, mode="w", format=muxer, options=options)
+            self._stream = self._container.add_stream(codec, rate=RATE_HZ, layout="mono")
+            if bit_rate is not None:
+                self._stream.bit_rate = bit_rate
+
+    def encode(self, pcm_16k: np.ndarray) -> bytes:
+        return self._out(self._resampler.process(np.asarray(pcm_16k, np.int16)), final=False)
+
+    def finish(self) -> bytes:
+        return self._out(self._resampler.flush(), final=True)
+
+    def _out(self, pcm: np.ndarray, final: bool) -> bytes:
+        head, self._header = self._header, b""
+        if self._container is None:  # pcm, wav
+            return head + pcm.astype("<i2").tobytes()
+        if pcm.size:
+            frame = av.AudioFrame.from_ndarray(pcm.astype(np.int16).reshape(1, -1), format="s16", layout="mono")
+            frame.sample_rate, frame.pts = RATE_HZ, self._pts
+            self._pts += pcm.size
+            for packet in self._stream.encode(frame):
+                self._container.mux(packet)
+        if final:
+            for packet in self._stream.encode(None):
+                self._container.mux(packet)
+            self._finished = True
+            self._container.close()
+        return self._sink.take()
+
+    def close(self) -> None:
+        """Free the codec without finishing (the reply was cut); no-op after `finish`."""
+        if self._container is not None and not self._finished:
+            self._finished = True
+            try:
+                self._container.close()
+            except Exception:  # a muxer that never started may refuse to write its trailer
+                pass
