@@ -234,6 +234,11 @@ class SessionRunner:
     async def run(self) -> None:
         self.task = asyncio.current_task()
         self.proto.open()
+        if (options := self.proto.take_engine_options()) is not None:
+            # a config given with the connection (WebRTC's calls.create(session=...)), applied by open():
+            # the conversation was opened before it, and a microphone's turn may come before any client event
+            self._options = options
+            self._use_options(options)
         self._flush()
         self._start_link([])
         try:

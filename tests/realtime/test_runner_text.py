@@ -241,3 +241,31 @@ def test_settings_changed_while_a_text_answer_runs_keep_it_text():
         await rig.ended(runner)
 
     run(main)
+
+
+def test_a_config_given_with_the_connection_reaches_the_engine_before_the_first_answer():
+    """WebRTC's calls.create(session=...): the session config is applied when the session opens, after the
+    engine conversation was opened; the microphone's first turn (no client event before it) must be
+    answered and transcribed with it."""
+
+    async def main():
+        import asyncio
+
+        rig = Rig(FakeEngine(answer_ms=300, step_s=0.002))
+        link = MemoryLink()
+        runner = rig.admit(link)
+        runner.proto.preconfigure({"type": "realtime", "instructions": "Be brief.",
+                                   "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}})
+        rig.tasks[runner.id] = asyncio.create_task(rig.adm.run(runner))
+        await until(lambda: link.of("session.created"), "session.created")
+        assert link.of("session.created")[0]["session"]["audio"]["input"]["transcription"] == {"model": "gpt-4o-transcribe"}
+        turn = user_turn16()
+        for i in range(0, turn.size, 320):
+            assert runner.push_audio(turn[i : i + 320])  # the microphone track's audio, as WebRTC's transport pushes it
+        await until(lambda: link.of("conversation.item.input_audio_transcription.completed"), "the transcript")
+        h = rig.conv(runner).handles[-1]
+        assert h.options.transcribe_user and h.options.system_prompt == "Be brief."
+        link.hang_up()
+        await rig.ended(runner)
+
+    run(main)
