@@ -483,8 +483,15 @@ def test_a_named_voice_is_the_speaker_prompt_of_every_answer(gateway, speech):
     assert updated["session"]["audio"]["output"]["voice"] == "narrator"
     assert done["response"]["status"] == "completed"
     np.testing.assert_array_equal(prompt[2:4], special_rows(vocab.SYSTEM, vocab.SPEAKER))
+    from engine.dialogue import SPEAKER_PROMPT_FRAMES
+
     voice_frames = -(-gateway.voices["narrator"].size // 320)  # ceil: a last partial frame counts
-    user_at = 4 + voice_frames + 8  # the speaker segment: marker rows, its frames, the 8-step flush
+    assert voice_frames < SPEAKER_PROMPT_FRAMES
+    # the voice's frames, then all-PAD frames up to ESPnet's fixed speaker-prompt length (the last 8 steps
+    # of the voice's interleaved frames reach into the padding)
+    assert (prompt[4 + voice_frames + 8 : 4 + SPEAKER_PROMPT_FRAMES] == vocab.PAD).all()
+    assert (prompt[4 : 4 + voice_frames, 0] != vocab.PAD).all()
+    user_at = 4 + SPEAKER_PROMPT_FRAMES + 8  # the speaker segment: marker rows, its 500 frames, the 8-step flush
     np.testing.assert_array_equal(prompt[user_at : user_at + 2], special_rows(vocab.USER, vocab.CODEC_SSL))
 
     _, done, prompt = run(turn("alloy"))
