@@ -29,6 +29,23 @@ def silence(ms: float, rate_hz: int) -> np.ndarray:
     return np.zeros(int(rate_hz * ms / 1000), np.int16)
 
 
+@contextlib.asynccontextmanager
+async def fake_gateway(engine, config: dict | None = None, token: str | None = None, voices: dict | None = None):
+    """A Gateway on 127.0.0.1 (port chosen by the OS) in front of `engine` (tests' FakeEngine), in the
+    running loop; `config` is the server config as a dict (`server.port` is forced to 0)."""
+    from realtime.config import config_from_dict
+    from realtime.server import Gateway
+
+    config = config or {}
+    gw = Gateway(engine, config_from_dict({**config, "server": {**config.get("server", {}), "port": 0}}), token=token,
+                 voices=voices)
+    await gw.start()
+    try:
+        yield gw
+    finally:
+        await gw.stop()
+
+
 @contextlib.contextmanager
 def running_gateway(loop_thread, model, capacity: int, config: dict):
     """A Gateway on 127.0.0.1 (port chosen by the OS) in front of the real engine (`model`, CPU), on the

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
 import json
 import time
@@ -23,6 +22,7 @@ import soundfile
 import websockets
 from fake_engine import FakeEngine, fake_transcript, speech_hz, speech_ms, speech_pcm
 from openai import AsyncOpenAI
+from rt_helpers import fake_gateway
 
 from realtime.audio import StreamResampler
 from realtime.audio_upload import UploadError, UploadLimits, decode_upload
@@ -34,16 +34,8 @@ TOKEN = "audio-token"
 TEXT = "Hello there, how are you?"  # 25 characters: 1.5 s of the fake's speech at 350 Hz
 
 
-@contextlib.asynccontextmanager
-async def gateway(engine: FakeEngine | None = None, config: dict | None = None, voices: dict | None = None):
-    config = config or {}
-    cfg = config_from_dict({**config, "server": {"port": 0, **config.get("server", {})}})
-    gw = Gateway(engine or FakeEngine(), cfg, token=TOKEN, voices=voices)
-    await gw.start()
-    try:
-        yield gw
-    finally:
-        await gw.stop()
+def gateway(engine: FakeEngine | None = None, config: dict | None = None, voices: dict | None = None):
+    return fake_gateway(engine or FakeEngine(), config, TOKEN, voices)
 
 
 def sdk(gw: Gateway, token: str = TOKEN) -> AsyncOpenAI:

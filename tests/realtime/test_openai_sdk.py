@@ -7,26 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 
 import numpy as np
 from fake_engine import FakeEngine
+from rt_helpers import fake_gateway
 from openai import AsyncOpenAI
 
-from realtime.config import config_from_dict
-from realtime.server import Gateway
 
 TOKEN = "sdk-token"
 
 
-@contextlib.asynccontextmanager
-async def gateway():
-    gw = Gateway(FakeEngine(capacity=2, answer_ms=600), config_from_dict({"server": {"port": 0}}), token=TOKEN)
-    await gw.start()
-    try:
-        yield gw
-    finally:
-        await gw.stop()
+def gateway():
+    return fake_gateway(FakeEngine(capacity=2, answer_ms=600), None, TOKEN)
 
 
 async def _until(conn, kind: str, seen: list) -> object:
@@ -68,14 +60,8 @@ def test_the_openai_sdk_holds_two_turns_and_a_cancel_without_errors():
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
-@contextlib.asynccontextmanager
-async def text_gateway(engine: FakeEngine, config: dict | None = None):
-    gw = Gateway(engine, config_from_dict({"server": {"port": 0}, **(config or {})}), token=TOKEN)
-    await gw.start()
-    try:
-        yield gw
-    finally:
-        await gw.stop()
+def text_gateway(engine: FakeEngine, config: dict | None = None):
+    return fake_gateway(engine, config, TOKEN)
 
 
 def _pcm24(ms: int) -> str:

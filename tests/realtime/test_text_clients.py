@@ -6,11 +6,11 @@ typed turns."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import numpy as np
 import soxr
 from fake_engine import FakeEngine, answer_text, user_transcript_text
+from rt_helpers import fake_gateway
 from runner_rig import silence16, speech16
 from test_webrtc import RtcClient
 
@@ -18,20 +18,12 @@ from realtime.client import (
     AudioChunk, DuplexClient, InputCommitted, ProtocolError, ResponseDone, TextDelta, TranscriptDelta, UserTranscript,
     UserTranscriptDelta,
 )
-from realtime.config import config_from_dict
-from realtime.server import Gateway
 
 TOKEN = "webrtc-token"  # test_webrtc's RtcClient sends it
 
 
-@contextlib.asynccontextmanager
-async def gateway(engine: FakeEngine, config: dict | None = None):
-    gw = Gateway(engine, config_from_dict({"server": {"port": 0}, **(config or {})}), token=TOKEN)
-    await gw.start()
-    try:
-        yield gw
-    finally:
-        await gw.stop()
+def gateway(engine: FakeEngine, config: dict | None = None):
+    return fake_gateway(engine, config, TOKEN)
 
 
 def test_the_webrtc_data_channel_carries_both_sides_text():

@@ -710,37 +710,44 @@ def test_webhook_and_stream_auth(gateway):
     assert run(main()) == [1008, 1008, 1008, 1008, 1003, 1000, 1008]
 
 
-def test_a_calls_text_is_logged_the_callers_transcript_and_the_models_text(caplog):
-    """Over a real socket to a Gateway on the fake engine: Twilio has no event for text, so a call's text
-    goes to the log at INFO, one line per completed caller transcript and per answer's text."""
-    from fake_engine import FakeEngine, answer_text, user_transcript_text
+async def _one_spoken_turn(call_sid: str, telephony: dict, answer_ms: float, wait_for_log, caplog):
+    """A call to a Gateway on the fake engine with assistant text on: one spoken turn, answered, hung up;
+    waits until the answer finished and `wait_for_log(caplog records)` holds. Returns (peer, conversation)."""
+    from fake_engine import FakeEngine
 
     from engine.codec.synth import speech_like
     from realtime.server import Gateway
 
-    async def main():
-        engine = FakeEngine(capacity=1, answer_ms=300, step_s=0.002)
-        gw = Gateway(engine, config_from_dict({
-            "server": {"port": 0, "token": TOKEN}, "session": {"assistant_text": True},
-            "telephony": {"twilio_auth_token": TWILIO_AUTH_TOKEN}}))
-        await gw.start()
-        try:
-            peer = await dial(gw, "CA00000000000000000000000000000t01")
-            await until(lambda: runner_of(gw, peer.sid) is not None, 10, "the session")
-            runner = runner_of(gw, peer.sid)
-            speech8k = soxr.resample((speech_like(1.0, seed=3) * 20000).astype(np.int16), 16000, 8000).astype(np.int16)
-            peer.say(np.concatenate([silence(300, 8000), speech8k, silence(900, 8000)]))
-            await until(lambda: any("caller (" in r.getMessage() for r in caplog.records)
-                        and runner.session.response is not None and runner.session.response.status.finished, 20, "the turn")
-            conv = engine.conversation(runner.id)
-            await peer.stop()
-            await peer.finish()
-            return peer, conv
-        finally:
-            await gw.stop()
+    engine = FakeEngine(capacity=1, answer_ms=answer_ms, step_s=0.002)
+    gw = Gateway(engine, config_from_dict({
+        "server": {"port": 0, "token": TOKEN}, "session": {"assistant_text": True},
+        "telephony": {"twilio_auth_token": TWILIO_AUTH_TOKEN, **telephony}}))
+    await gw.start()
+    try:
+        peer = await dial(gw, call_sid)
+        await until(lambda: runner_of(gw, peer.sid) is not None, 10, "the session")
+        runner = runner_of(gw, peer.sid)
+        speech8k = soxr.resample((speech_like(1.0, seed=3) * 20000).astype(np.int16), 16000, 8000).astype(np.int16)
+        peer.say(np.concatenate([silence(300, 8000), speech8k, silence(900, 8000)]))
+        await until(lambda: wait_for_log(caplog.records) and runner.session.response is not None
+                    and runner.session.response.status.finished, 20, "the turn")
+        conv = engine.conversation(runner.id)
+        await peer.stop()
+        await peer.finish()
+        return peer, conv
+    finally:
+        await gw.stop()
+
+
+def test_a_calls_text_is_logged_the_callers_transcript_and_the_models_text(caplog):
+    """Over a real socket to a Gateway on the fake engine: Twilio has no event for text, so a call's text
+    goes to the log at INFO, one line per completed caller transcript and per answer's text."""
+    from fake_engine import answer_text, user_transcript_text
 
     with caplog.at_level(logging.INFO, logger="duplex.twilio"):
-        peer, conv = run(main(), timeout=40)
+        peer, conv = run(_one_spoken_turn("CA00000000000000000000000000000t01", {}, 300,
+                                          lambda records: any("caller (" in r.getMessage() for r in records), caplog),
+                         timeout=40)
     h = conv.handles[-1]
     assert h.options.transcribe_user and h.options.assistant_text and h.options.output_audio
     lines = [r for r in caplog.records if r.name == "duplex.twilio" and peer.sid in r.getMessage()]
@@ -753,32 +760,8 @@ def test_a_calls_text_is_logged_the_callers_transcript_and_the_models_text(caplo
 
 
 def test_a_call_logs_no_text_when_told_not_to(caplog):
-    from fake_engine import FakeEngine
-
-    from engine.codec.synth import speech_like
-    from realtime.server import Gateway
-
-    async def main():
-        engine = FakeEngine(capacity=1, answer_ms=200, step_s=0.002)
-        gw = Gateway(engine, config_from_dict({
-            "server": {"port": 0, "token": TOKEN}, "session": {"assistant_text": True},
-            "telephony": {"twilio_auth_token": TWILIO_AUTH_TOKEN, "transcripts": False}}))
-        await gw.start()
-        try:
-            peer = await dial(gw, "CA00000000000000000000000000000t02")
-            await until(lambda: runner_of(gw, peer.sid) is not None, 10, "the session")
-            runner = runner_of(gw, peer.sid)
-            speech8k = soxr.resample((speech_like(1.0, seed=3) * 20000).astype(np.int16), 16000, 8000).astype(np.int16)
-            peer.say(np.concatenate([silence(300, 8000), speech8k, silence(900, 8000)]))
-            await until(lambda: runner.session.response is not None and runner.session.response.status.finished, 20, "the turn")
-            conv = engine.conversation(runner.id)
-            await peer.stop()
-            await peer.finish()
-            return peer, conv
-        finally:
-            await gw.stop()
-
     with caplog.at_level(logging.INFO, logger="duplex.twilio"):
-        peer, conv = run(main(), timeout=40)
+        peer, conv = run(_one_spoken_turn("CA00000000000000000000000000000t02", {"transcripts": False}, 200,
+                                          lambda records: True, caplog), timeout=40)
     assert not conv.handles[-1].options.transcribe_user  # not even written
     assert not [r for r in caplog.records if "caller (" in r.getMessage() or "assistant (" in r.getMessage()]
