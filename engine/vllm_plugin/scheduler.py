@@ -31,7 +31,9 @@ import time
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from engine import vocab
 from engine.delay import MAX_DELAY
+from engine.modality import SWITCH_TOKEN
 from engine.request import EXTRA_ARGS_KEY
 from engine.service_api import FRAME_MS
 from engine.vllm_plugin import plugin_settings, urgent_tokens
@@ -63,13 +65,30 @@ class OpusScheduler(CfgPairsMixin, Scheduler):
         self._first_frame_at: dict[str, float] = {}  # realtime request -> when frame 0 existed
         self._step_started = time.monotonic()
         self._realtime: dict[str, bool] = {}
+        self._text_first: dict[str, int | None] = {}  # text-first requests: output tokens before their audio
 
     def _is_realtime(self, request) -> bool:
         rid = request.request_id
         if rid not in self._realtime:
             block = ((request.sampling_params.extra_args or {}) if request.sampling_params else {}).get(EXTRA_ARGS_KEY) or {}
             self._realtime[rid] = bool(block.get("realtime"))
+            if block.get("start", vocab.CODEC_SSL) == vocab.TEXT_BPE:
+                self._text_first[rid] = None  # its audio's first output token, once it switched
         return self._realtime[rid]
+
+    def _audio_tokens(self, request) -> int | None:
+        """Output tokens of the request's audio segment; None while it writes text (engine/modality.py).
+        Text plays nothing, and a realtime answer's audio waits for it: it is as urgent as a first frame."""
+        rid = request.request_id
+        if rid not in self._text_first:
+            return request.num_output_tokens
+        start = self._text_first[rid]
+        if start is None:
+            out = list(request.output_token_ids)  # a text phase is short (max_text_tokens); 34 only ever ends it
+            if SWITCH_TOKEN not in out:
+                return None
+            start = self._text_first[rid] = out.index(SWITCH_TOKEN) + 1
+        return request.num_output_tokens - start
 
     def slack_s(self, request, now: float) -> float:
         """Seconds of generated audio ahead of playback. An offline request (a one-shot ASR or TTS, a
@@ -78,9 +97,10 @@ class OpusScheduler(CfgPairsMixin, Scheduler):
         if not self._is_realtime(request):
             return self.pacing_lead_s
         started = self._first_frame_at.get(request.request_id)
-        if started is None or request.num_output_tokens < self.urgent_tokens:
+        audio = self._audio_tokens(request)
+        if started is None or audio is None or audio < self.urgent_tokens:
             return -math.inf
-        return started + (request.num_output_tokens - MAX_DELAY) * FRAME_S - now
+        return started + (audio - MAX_DELAY) * FRAME_S - now
 
     def schedule(self, *args, **kwargs):
         now = self._step_started = time.monotonic()
@@ -131,9 +151,10 @@ class OpusScheduler(CfgPairsMixin, Scheduler):
         for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is not None and rid not in self._first_frame_at and req.num_output_tokens > MAX_DELAY:
-                if self._is_realtime(req):
+                if self._is_realtime(req) and (self._audio_tokens(req) or 0) > MAX_DELAY:
                     self._first_frame_at[rid] = now
         if len(self._realtime) > 2 * max(len(self.requests), 64):
             self._first_frame_at = {k: v for k, v in self._first_frame_at.items() if k in self.requests}
             self._realtime = {k: v for k, v in self._realtime.items() if k in self.requests}
+            self._text_first = {k: v for k, v in self._text_first.items() if k in self.requests}
         return outputs

@@ -135,3 +135,44 @@ def test_overload_serves_the_tightest_deadline_first(tiny_model) -> None:
         assert sum(gained) == 400 and max(gained) - min(gained) <= 2, gained
     finally:
         restore()
+
+
+@pytest.mark.vllm
+def test_a_realtime_answer_writing_text_is_urgent_and_its_audio_is_paced_from_the_switch(tiny_model) -> None:
+    """A text-first realtime answer plays nothing while it writes text and its audio waits for it: it stays
+    most urgent (never held by pacing) until its audio's first chunk; from then on its lead counts the
+    audio segment's tokens only."""
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from engine import vocab
+    from engine.async_engine import sampling_params
+
+    s, clock, restore = _scheduler_with_clock(tiny_model, token_budget=64)
+    try:
+        req = AudioRequest(synthetic_prompt(0, 3)[:-1], 400, 400, GREEDY, realtime=True, start_modality=vocab.TEXT_BPE,
+                           max_text_tokens=40, switch_to_audio=True)
+        s.add_request(Request("t0", [int(t) for t in req.prompt[:, 0]], sampling_params(req), None))
+        tokens = [vocab.TEXT_OFFSET + 7] * 30 + [vocab.CODEC_SSL] + [300] * 200
+
+        def step(dt: float) -> None:
+            clock.t += dt
+            out = s.schedule()
+            ids = list(out.num_scheduled_tokens)
+            r = s.requests["t0"]
+            prefilled = r.num_computed_tokens + out.num_scheduled_tokens["t0"] >= r.num_prompt_tokens
+            s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={"t0": 0},
+                                                        sampled_token_ids=[[tokens[r.num_output_tokens]] if prefilled else []]))
+
+        r = s.requests["t0"]
+        while r.num_output_tokens < 31:  # the text and the switch: fast steps, yet never held or paced
+            step(0.001)
+            assert s.slack_s(r, clock.t) == -math.inf
+        for _ in range(s.urgent_tokens + 10):  # its audio: urgent until the first chunk, then a lead of audio frames
+            step(0.001)
+        audio = r.num_output_tokens - 31
+        assert audio == s.urgent_tokens + 10
+        lead = s.slack_s(r, clock.t)
+        assert 0 < lead <= (audio - 8) * 0.020  # counted from the audio's first frame, not the text's first token
+    finally:
+        restore()
