@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from realtime.soak.balancer import Balancer, free_port  # noqa: E402
+from realtime.soak.balancer import Balancer  # noqa: E402
 from realtime.soak.run import SoakConfig, run_soak  # noqa: E402
 from realtime.soak.server_process import ServerProcess, health  # noqa: E402
 
@@ -45,13 +45,14 @@ async def _events(replicas, kill_at: float | None, drain_at: float | None, t0: f
 
 async def main_async(a: argparse.Namespace) -> int:
     token = secrets.token_urlsafe(12)
-    ports = [free_port(), free_port()]
     config = {"vad": {"silence_duration_ms": 500}, "session": {"max_response_ms": 4000.0},
               "limits": {"drain_timeout_s": float(a.drain_timeout)}}
     if a.capacity:
         config["engine"] = {"capacity_override": a.capacity}
     with ThreadPoolExecutor(2) as pool:
-        replicas = [f.result() for f in [pool.submit(ServerProcess, config, token, p, f"duplex-{i}") for i, p in enumerate(ports)]]
+        # ports of the OS's choosing: one picked free beforehand could be taken by the other replica's engine core
+        replicas = [f.result() for f in [pool.submit(ServerProcess, config, token, 0, f"duplex-{i}") for i in range(2)]]
+    ports = [r.port for r in replicas]
     lb = Balancer(ports)
     events: list[dict] = []
     try:

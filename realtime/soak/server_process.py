@@ -53,6 +53,11 @@ class ServerProcess:
         return "".join(self.log_path.read_text().splitlines(keepends=True)[-lines:])
 
     @property
+    def port(self) -> int:
+        """The port it serves on (the OS's choice when started with port 0)."""
+        return int(self.base.rsplit(":", 1)[1])
+
+    @property
     def pid(self) -> int:
         return self.proc.pid
 

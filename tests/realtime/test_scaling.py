@@ -74,16 +74,17 @@ async def _open(lb: str, token: str) -> Call | dict:
 
 
 def test_two_replicas_behind_haproxy(tiny_model):
-    from realtime.soak.balancer import Balancer, free_port
+    from realtime.soak.balancer import Balancer
     from realtime.soak.server_process import ServerProcess
 
     token = secrets.token_urlsafe(12)
-    ports = [free_port(), free_port()]
     config = {"engine": {"capacity_override": CAPACITY}, "limits": {"resume_grace_s": 30.0, "drain_timeout_s": 60.0}}
-    with ThreadPoolExecutor(2) as pool:  # the two engines start side by side
-        starting = [pool.submit(ServerProcess, config, token, port, f"duplex-{i}") for i, port in enumerate(ports)]
+    # the two engines start side by side, each on a port of the OS's choosing: a port picked free beforehand
+    # could be taken meanwhile (the other replica's engine core binds ports of its own while it starts)
+    with ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(ServerProcess, config, token, 0, f"duplex-{i}") for i in range(2)]
         replicas = [f.result() for f in starting]
-    lb = Balancer(ports)
+    lb = Balancer([r.port for r in replicas])
     try:
         lb.wait_routable()
         time.sleep(CHECK_S)  # both replicas' checks passed
