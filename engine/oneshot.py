@@ -23,7 +23,7 @@ from engine import tasks
 from engine.delay import FLUSH_STEPS
 from engine.request import AudioRequest
 from engine.sampling import SamplingConfig
-from engine.service_api import FRAME_MS, AtCapacity, AudioChunk, EngineError, NoTextModel, SpeechOptions, TranscriptionOptions
+from engine.service_api import FRAME_MS, AtCapacity, AudioChunk, EngineError, SpeechOptions, TranscriptionOptions
 from engine.text import TextTokenizer
 
 
@@ -39,6 +39,8 @@ class OneShotHost(Protocol):
 
     def pick_rank(self) -> int: ...
 
+    def require_text(self) -> TextTokenizer: ...
+
     def text_deltas(self, request: AudioRequest, request_id: str, rank: int = 0) -> AsyncIterator[str]: ...
 
     def stream_audio(self, request: AudioRequest, response_id: str) -> AsyncIterator[AudioChunk]: ...
@@ -46,12 +48,6 @@ class OneShotHost(Protocol):
 
 _ids = itertools.count()
 _END_MARGIN = 4  # positions kept free below max_model_len (as dialogue.ANSWER_MARGIN_ROWS)
-
-
-def _text_tokenizer(engine: OneShotHost) -> TextTokenizer:
-    if engine.text_tokenizer is None:
-        raise NoTextModel("this model has no text tokenizer, so it cannot transcribe or speak text")
-    return engine.text_tokenizer
 
 
 def _check_ready(engine: OneShotHost) -> None:
@@ -87,7 +83,7 @@ def tts_request(text_ids: list[int], speaker_frames: np.ndarray | None, options:
 
 async def transcribe(engine: OneShotHost, pcm_16k: np.ndarray, options: TranscriptionOptions) -> AsyncIterator[str]:
     _check_ready(engine)
-    _text_tokenizer(engine)
+    engine.require_text()
     pcm = np.asarray(pcm_16k)
     if pcm.ndim != 1 or pcm.size == 0:
         raise ValueError("transcribe needs mono audio with at least one sample")
@@ -98,7 +94,7 @@ async def transcribe(engine: OneShotHost, pcm_16k: np.ndarray, options: Transcri
 
 async def synthesize(engine: OneShotHost, text: str, options: SpeechOptions) -> AsyncIterator[AudioChunk]:
     _check_ready(engine)
-    tokenizer = _text_tokenizer(engine)
+    tokenizer = engine.require_text()
     if not text or not text.strip():
         raise ValueError("synthesize needs non-empty text")
     speaker = None

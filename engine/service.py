@@ -1062,11 +1062,16 @@ class Engine:
         if options.max_text_tokens < 1:
             raise ValueError(f"max_text_tokens must be >= 1, got {options.max_text_tokens}")
 
-    async def text_deltas(self, request: AudioRequest, request_id: str, rank: int = 0) -> AsyncIterator[str]:
-        """A text-first request's text as it is written: decoded deltas (engine.text.TextDeltas)."""
+    async def text_deltas(self, request: AudioRequest, request_id: str, rank: int = 0,
+                          ids: list[int] | None = None) -> AsyncIterator[str]:
+        """A text-first request's text as it is written: decoded deltas (engine.text.TextDeltas); the
+        text ids themselves are appended to `ids` as they arrive, if given."""
         splitter, deltas = ModalitySplitter(request.start_modality), TextDeltas(self.require_text())
         async for chunk in self.llm.stream_steps(request, request_id, rank):
-            delta = deltas.push(splitter.push(chunk.steps)[0])
+            new = splitter.push(chunk.steps)[0]
+            if ids is not None:
+                ids.extend(new)
+            delta = deltas.push(new)
             if delta:
                 yield delta
         tail = deltas.flush()
@@ -1076,17 +1081,9 @@ class Engine:
     async def run_text(self, request: AudioRequest, response: Response, rank: int = 0) -> None:
         """An answer's text (text-first, no switch): each delta delivered as a chunk without audio, the
         ids kept on the response (the history's assistant text)."""
-        splitter, deltas = ModalitySplitter(request.start_modality), TextDeltas(self.require_text())
         try:
-            async for chunk in self.llm.stream_steps(request, f"{response.id}#text", rank):
-                new = splitter.push(chunk.steps)[0]
-                response.text_ids.extend(new)
-                delta = deltas.push(new)
-                if delta:
-                    response.deliver(AudioChunk(response.id, np.zeros(0, np.int16), 0.0, 0.0, time.monotonic(), text_delta=delta))
-            tail = deltas.flush()
-            if tail:
-                response.deliver(AudioChunk(response.id, np.zeros(0, np.int16), 0.0, 0.0, time.monotonic(), text_delta=tail))
+            async for delta in self.text_deltas(request, f"{response.id}#text", rank, ids=response.text_ids):
+                response.deliver(AudioChunk(response.id, np.zeros(0, np.int16), 0.0, 0.0, time.monotonic(), text_delta=delta))
         except asyncio.CancelledError:
             raise
         except Exception as e:

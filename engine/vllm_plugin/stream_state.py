@@ -111,6 +111,8 @@ class StreamStateStore:
     requests: dict[str, RequestStreams] = field(default_factory=dict)
     step_aux: dict[str, np.ndarray] = field(default_factory=dict)  # aux committed this step
     num_cfg: int = 0  # live CFG mains and shadows (0: a step needs no pair lookup)
+    num_text_first: int = 0  # live text-first requests (0: every step is the audio segments' own)
+    num_carry: int = 0  # live continued segments (0: inactive aux streams are PAD)
 
     def add(self, req_id: str, spec: WorkerRequestSpec, sampling: SamplingConfig, device: torch.device) -> None:
         if req_id in self.requests:  # resumed after preemption: history is by position, keep it
@@ -143,11 +145,17 @@ class StreamStateStore:
         )
         if spec.shadow_of is not None or guidance.uses_cfg(spec.cfg_scale):
             self.num_cfg += 1
+        self.num_text_first += text_first
+        self.num_carry += spec.carry is not None
 
     def remove(self, req_id: str) -> None:
         st = self.requests.pop(req_id, None)
-        if st is not None and (st.shadow_of is not None or guidance.uses_cfg(st.cfg_scale)):
+        if st is None:
+            return
+        if st.shadow_of is not None or guidance.uses_cfg(st.cfg_scale):
             self.num_cfg -= 1
+        self.num_text_first -= st.text_sampling is not None
+        self.num_carry -= st.carry is not None
 
     def cfg_pairs(self, batch: StepBatch, plan: StepPlan) -> CfgPairs:
         """This step's pairs; raises if a pair is split or its rows are not at the same position
@@ -200,21 +208,20 @@ class StreamStateStore:
         eos = np.array([s.eos_step for s in states], dtype=np.int64)
         steps = next_pos - prompt_len
         commit = ~batch.discard & (steps >= 0) & (next_pos == known)
-        audio_start = np.array([s.audio_start for s in states], dtype=np.int64)
-        if not audio_start.any():  # every row's audio started with its generation: the steps are the segment's
-            rules = delay.stream0_rules(steps, eos, np.array([s.min_frames for s in states]),
-                                        np.array([s.max_frames for s in states]))
+        min_frames, max_frames = np.array([s.min_frames for s in states]), np.array([s.max_frames for s in states])
+        if not self.num_text_first:  # every row's audio started with its generation: the steps are the segment's
+            rules = delay.stream0_rules(steps, eos, min_frames, max_frames)
             return StepPlan(rules=rules, active=delay.aux_active(steps, eos), commit=commit, audio_steps=steps)
+        audio_start = np.array([s.audio_start for s in states], dtype=np.int64)
         text = audio_start == modality.NOT_SWITCHED
         a_steps, a_eos = modality.audio_steps(steps, audio_start, eos)
-        rules = delay.stream0_rules(a_steps, a_eos, np.array([s.min_frames for s in states]),
-                                    np.array([s.max_frames for s in states]))
-        switch = np.array([s.switch for s in states], dtype=bool)
-        text_rules = modality.text_rules(steps, np.array([s.min_text for s in states]),
-                                         np.array([s.max_text for s in states]), switch)
+        rules = delay.stream0_rules(a_steps, a_eos, min_frames, max_frames)
         active = delay.aux_active(a_steps, a_eos) & ~text[:, None]
         if not text.any():
             return StepPlan(rules=rules, active=active, commit=commit, audio_steps=a_steps)
+        switch = np.array([s.switch for s in states], dtype=bool)
+        text_rules = modality.text_rules(steps, np.array([s.min_text for s in states]),
+                                         np.array([s.max_text for s in states]), switch)
         return StepPlan(rules=rules, active=active, commit=commit, audio_steps=a_steps, text=text,
                         text_rules=text_rules, switch=switch)
 
@@ -245,9 +252,9 @@ class StreamStateStore:
     def aux_fill(self, batch: StepBatch, rows: np.ndarray, audio_steps: np.ndarray) -> np.ndarray | int:
         """What the inactive aux streams of `rows` hold this step (heads.carry_fill): PAD unless a row
         continues a segment and is in its warm-up."""
-        states = [self.requests[batch.req_ids[r]] for r in rows]
-        if all(s.carry is None for s in states):
+        if not self.num_carry:
             return vocab.PAD
+        states = [self.requests[batch.req_ids[r]] for r in rows]
         return np.stack([np.broadcast_to(heads.carry_fill(s.carry, int(a)), (vocab.NUM_CODEBOOKS,))
                          for s, a in zip(states, audio_steps)])
 

@@ -29,6 +29,15 @@ def silence(ms: float, rate_hz: int) -> np.ndarray:
     return np.zeros(int(rate_hz * ms / 1000), np.int16)
 
 
+async def sdk_until(conn, kind: str, seen: list) -> object:
+    """Events of an openai SDK realtime connection, kept in `seen`, up to the first of type `kind`."""
+    async for ev in conn:
+        seen.append(ev)
+        if ev.type == kind:
+            return ev
+    raise AssertionError(f"closed before {kind}")
+
+
 @contextlib.asynccontextmanager
 async def fake_gateway(engine, config: dict | None = None, token: str | None = None, voices: dict | None = None):
     """A Gateway on 127.0.0.1 (port chosen by the OS) in front of `engine` (tests' FakeEngine), in the

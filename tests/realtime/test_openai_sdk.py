@@ -10,7 +10,7 @@ import base64
 
 import numpy as np
 from fake_engine import FakeEngine
-from rt_helpers import fake_gateway
+from rt_helpers import fake_gateway, sdk_until
 from openai import AsyncOpenAI
 
 
@@ -21,25 +21,17 @@ def gateway():
     return fake_gateway(FakeEngine(capacity=2, answer_ms=600), None, TOKEN)
 
 
-async def _until(conn, kind: str, seen: list) -> object:
-    async for ev in conn:
-        seen.append(ev)
-        if ev.type == kind:
-            return ev
-    raise AssertionError(f"closed before {kind}")
-
-
 def test_the_openai_sdk_holds_two_turns_and_a_cancel_without_errors():
     async def main():
         async with gateway() as gw:
             client = AsyncOpenAI(api_key=TOKEN, websocket_base_url=f"ws://127.0.0.1:{gw.port}/v1")
             seen: list = []
             async with client.realtime.connect(model="gpt-realtime") as conn:
-                created = await _until(conn, "session.created", seen)
+                created = await sdk_until(conn, "session.created", seen)
                 assert "resume_token" not in (created.model_extra or {})
                 await conn.session.update(session={"type": "realtime", "instructions": "Be brief.", "audio": {"input": {
                     "transcription": None, "turn_detection": {"type": "semantic_vad", "eagerness": "high"}}}})
-                upd = await _until(conn, "session.updated", seen)
+                upd = await sdk_until(conn, "session.updated", seen)
                 assert upd.session.audio.input.turn_detection.type == "semantic_vad"
                 await conn.conversation.item.create(item={"type": "message", "role": "system",
                                                           "content": [{"type": "input_text", "text": "You are terse."}]})
@@ -47,12 +39,12 @@ def test_the_openai_sdk_holds_two_turns_and_a_cancel_without_errors():
                 await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
                     {"type": "input_audio", "audio": base64.b64encode(pcm).decode()}]})
                 await conn.response.create(response={"metadata": {"turn": "1"}})
-                done = await _until(conn, "response.done", seen)
+                done = await sdk_until(conn, "response.done", seen)
                 assert done.response.status == "completed" and done.response.metadata == {"turn": "1"}
                 await conn.response.create(response={"metadata": {"turn": "2"}})
-                await _until(conn, "response.output_audio.delta", seen)
+                await sdk_until(conn, "response.output_audio.delta", seen)
                 await conn.response.cancel()
-                done = await _until(conn, "response.done", seen)
+                done = await sdk_until(conn, "response.done", seen)
                 assert done.response.status == "cancelled" and done.response.metadata == {"turn": "2"}
             errors = [ev for ev in seen if ev.type == "error"]
             assert errors == []
@@ -76,19 +68,19 @@ def test_the_openai_sdk_gets_input_transcription_for_the_right_item_and_a_text_o
             client = AsyncOpenAI(api_key=TOKEN, websocket_base_url=f"ws://127.0.0.1:{gw.port}/v1")
             seen: list = []
             async with client.realtime.connect(model="gpt-realtime") as conn:
-                await _until(conn, "session.created", seen)
+                await sdk_until(conn, "session.created", seen)
                 await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "audio": {"input": {
                     "transcription": {"model": "gpt-4o-transcribe"}, "turn_detection": None}}})
-                upd = await _until(conn, "session.updated", seen)
+                upd = await sdk_until(conn, "session.updated", seen)
                 assert upd.session.output_modalities == ["text"]
                 assert upd.session.audio.input.transcription.model == "gpt-4o-transcribe"
                 await conn.input_audio_buffer.append(audio=_pcm24(600))
                 await conn.input_audio_buffer.commit()
-                committed = await _until(conn, "input_audio_buffer.committed", seen)
+                committed = await sdk_until(conn, "input_audio_buffer.committed", seen)
                 await conn.response.create()
-                done = await _until(conn, "response.done", seen)
+                done = await sdk_until(conn, "response.done", seen)
                 if not any(ev.type == "conversation.item.input_audio_transcription.completed" for ev in seen):
-                    await _until(conn, "conversation.item.input_audio_transcription.completed", seen)
+                    await sdk_until(conn, "conversation.item.input_audio_transcription.completed", seen)
                 sid = next(ev for ev in seen if ev.type == "session.created").session.id
                 conv = gw.engine.conversation(sid)
             assert [ev for ev in seen if ev.type == "error"] == []
@@ -118,12 +110,12 @@ def test_the_openai_sdk_gets_the_models_text_on_the_audio_transcript_and_a_typed
             client = AsyncOpenAI(api_key=TOKEN, websocket_base_url=f"ws://127.0.0.1:{gw.port}/v1")
             seen: list = []
             async with client.realtime.connect(model="gpt-realtime") as conn:
-                created = await _until(conn, "session.created", seen)
+                created = await sdk_until(conn, "session.created", seen)
                 await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
                     {"type": "input_text", "text": "What is the capital of France?"}]})
-                added = await _until(conn, "conversation.item.done", seen)
+                added = await sdk_until(conn, "conversation.item.done", seen)
                 await conn.response.create()
-                done = await _until(conn, "response.done", seen)
+                done = await sdk_until(conn, "response.done", seen)
             conv = engine.conversation(created.session.id)
             assert [ev for ev in seen if ev.type == "error"] == []
             assert added.item.content[0].text == "What is the capital of France?"
@@ -145,16 +137,16 @@ def test_the_openai_sdk_is_told_which_text_fields_a_model_without_text_refuses()
             client = AsyncOpenAI(api_key=TOKEN, websocket_base_url=f"ws://127.0.0.1:{gw.port}/v1")
             seen: list = []
             async with client.realtime.connect(model="gpt-realtime") as conn:
-                await _until(conn, "session.created", seen)
+                await sdk_until(conn, "session.created", seen)
                 await conn.session.update(session={"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}})
-                err1 = await _until(conn, "error", seen)
+                err1 = await sdk_until(conn, "error", seen)
                 await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
-                err2 = await _until(conn, "error", seen)
+                err2 = await sdk_until(conn, "error", seen)
                 await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
                     {"type": "input_text", "text": "hello"}]})
-                err3 = await _until(conn, "error", seen)
+                err3 = await sdk_until(conn, "error", seen)
                 await conn.response.create(response={"output_modalities": ["text"]})
-                err4 = await _until(conn, "error", seen)
+                err4 = await sdk_until(conn, "error", seen)
             assert [e.error.param for e in (err1, err2, err3, err4)] == [
                 "session.audio.input.transcription", "session.output_modalities", "item.content[0].type", "response.output_modalities"]
             updated = [ev for ev in seen if ev.type == "session.updated"]

@@ -19,6 +19,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from engine.codec.synth import speech_like
 from realtime.soak.server_process import ServerProcess
+from rt_helpers import sdk_until
 
 pytestmark = pytest.mark.vllm
 
@@ -81,12 +82,6 @@ def _pcm24(seconds: float, seed: int) -> str:
     return base64.b64encode(np.concatenate([up.process(pcm), up.flush()]).astype(np.int16).tobytes()).decode()
 
 
-async def _until(conn, kind: str, seen: list):
-    async for ev in conn:
-        seen.append(ev)
-        if ev.type == kind:
-            return ev
-    raise AssertionError(f"closed before {kind}")
 
 
 def test_realtime_transcription_text_answers_and_a_typed_turn(server) -> None:
@@ -94,21 +89,21 @@ def test_realtime_transcription_text_answers_and_a_typed_turn(server) -> None:
         client = AsyncOpenAI(api_key=TOKEN, websocket_base_url=server.base.replace("http", "ws", 1) + "/v1")
         seen: list = []
         async with client.realtime.connect(model="opuslm") as conn:
-            await _until(conn, "session.created", seen)
+            await sdk_until(conn, "session.created", seen)
             await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "audio": {"input": {
                 "transcription": {"model": "opuslm"}, "turn_detection": None}}})
-            await _until(conn, "session.updated", seen)
+            await sdk_until(conn, "session.updated", seen)
             await conn.input_audio_buffer.append(audio=_pcm24(0.8, seed=3))
             await conn.input_audio_buffer.commit()
-            committed = await _until(conn, "input_audio_buffer.committed", seen)
+            committed = await sdk_until(conn, "input_audio_buffer.committed", seen)
             await conn.response.create()
-            first = await _until(conn, "response.done", seen)
+            first = await sdk_until(conn, "response.done", seen)
             if not any(ev.type == "conversation.item.input_audio_transcription.completed" for ev in seen):
-                await _until(conn, "conversation.item.input_audio_transcription.completed", seen)
+                await sdk_until(conn, "conversation.item.input_audio_transcription.completed", seen)
             await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
                 {"type": "input_text", "text": "And what about tomorrow?"}]})
             await conn.response.create()
-            second = await _until(conn, "response.done", seen)
+            second = await sdk_until(conn, "response.done", seen)
         return seen, committed, first, second
 
     seen, committed, first, second = asyncio.run(asyncio.wait_for(main(), 180))
