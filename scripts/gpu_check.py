@@ -2,7 +2,8 @@
 """Everything about duplex's own torch code that a CUDA GPU can check, with torch alone.
 
 vLLM's CUDA build may not be installable where a GPU is at hand, so this covers our code, not
-vLLM's (docs/gpu.md lists what only a vLLM-on-GPU run can show):
+vLLM's (docs/gpu.md lists what only a vLLM-on-GPU run can show). Nothing on its path imports
+vLLM; it needs torch, numpy, safetensors and tokenizers (transformers' dependency) only.
 
   graph      CUDA graph capture + replay of the OpusLM forward contract (aux_inputs.opus_forward)
              on a plain-torch Llama backbone: replays with new buffer contents equal eager   [hard]
@@ -14,32 +15,65 @@ vLLM's (docs/gpu.md lists what only a vLLM-on-GPU run can show):
   xeus       XEUS tokenizer real-time factor (release-size, random weights unless --model)
   additions  per-step cost of our additions at the 1.7B and 7B shapes: aux embedding,
              audio-rows head, aux sampling, CFG merge (random bf16 weights)
+  step       the decode step at the 1.7B and 7B shapes (backbone + our additions, CUDA-graphed,
+             random bf16 weights) at batches 1-128 and contexts 1k-8k -> sessions per GPU with and
+             without CFG per context length (scripts/decode_step.py says what it leaves out)
+             [hard: finite outputs, graph replay equals eager]
 
-Without a CUDA device it prints that none was found and exits 0. Exit 1 if a hard check fails.
-Usage: python scripts/gpu_check.py [--model DIR] [--only graph codec ...] [--json OUT]
+`--device cpu` runs every check on the CPU at small shapes (tiny models, few steps): a smoke test
+of this script, so a GPU visit is not spent on a crash; its numbers mean nothing. Without
+`--device cpu` and without a CUDA device it prints that none was found and exits 0. Exit 1 if a
+hard check fails or any check raises. `--budget-s` bounds the whole run: `step` starts no probe
+past it (and says so) so the script ends in about that time.
+Usage: python scripts/gpu_check.py [--device cpu] [--model DIR] [--only graph codec ...] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE.parent))
+sys.path.insert(0, str(_HERE))  # decode_step.py, also when this file is loaded by path (tests)
 
+import decode_step  # noqa: E402
 from engine import guidance, heads, vocab  # noqa: E402
 from engine.sampling import GREEDY, SamplingConfig, _sample_torch, row_limits, sample_rows  # noqa: E402
 
 NO_GPU_MESSAGE = "gpu_check: no CUDA device found (torch.cuda.is_available() is False); nothing to check"
-# (name, hidden, vocab) of the released models (configs/*.yaml)
-SHAPES = [("dialogue-1.7b", 2048, 62670), ("7b", 4096, 113870)]
+_START = time.perf_counter()
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each check runs: the real thing on a GPU, a smoke test on a CPU."""
+
+    shapes: tuple[decode_step.Shape, ...]
+    sampling_rows: int
+    sampling_draws: int
+    reference_frames: int
+    stream_seconds: float
+    xeus_seconds: float
+    xeus_iters: int
+    additions_batches: tuple[int, ...]
+    step_contexts: tuple[int, ...]
+    step_max_rows: int
+    step_iters: int
+
+
+GPU_SIZES = Sizes(decode_step.RELEASED, 4, 400, 40, 4.0, 4.0, 3, (1, 32, 64, 128), (1024, 2048, 4096, 8192), 128, 10)
+CPU_SIZES = Sizes(decode_step.TINY, 2, 150, 8, 0.5, 0.4, 1, (1, 4), (64, 256), 8, 3)
 
 
 def _sync(device: torch.device) -> None:
@@ -47,9 +81,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, iters: int = 20) -> float:
+def time_ms(fn: Callable[[], object], device: torch.device, iters: int = 20, warmup: int = 3) -> float:
     """Median wall time of fn in ms, synchronised (warm-up first)."""
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
@@ -87,20 +121,12 @@ def check_graph(model_dir: pathlib.Path, device: torch.device, padded: int = 64,
 
     stage(0)
     with torch.inference_mode():
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fwd()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fwd()
+        replay = decode_step.capture(fwd, device)  # eager on a CPU: the staging path alone
         diffs, changed = [], []
         prev = None
         for i in range(1, replays + 1):
             stage(i)
-            graph.replay()
+            out = replay()
             want = fwd()
             diffs.append(float((out - want).abs().max()))
             changed.append(prev is None or not torch.equal(out, prev))
@@ -108,21 +134,27 @@ def check_graph(model_dir: pathlib.Path, device: torch.device, padded: int = 64,
     # A stale buffer read would be off by O(1); the same kernels give exactly 0 (reported), and
     # a different cuBLAS algorithm under capture would give rounding-size differences only.
     ok = all(d <= 1e-4 for d in diffs) and all(changed)
-    return {"ok": ok, "exact": all(d == 0.0 for d in diffs), "max_abs_diff_per_replay": diffs,
-            "outputs_changed": all(changed)}
+    return {"ok": ok, "captured": device.type == "cuda", "exact": all(d == 0.0 for d in diffs),
+            "max_abs_diff_per_replay": diffs, "outputs_changed": all(changed)}
 
 
 # --- codec --------------------------------------------------------------------------------------
 
 
-def _codec(model_dir: pathlib.Path | None, tmp: pathlib.Path):
+def _codec(model_dir: pathlib.Path | None, tmp: pathlib.Path, release_size: bool = False):
+    """(DAC, what it is): the checkpoint's codec; else the release-size DAC with random weights
+    (`release_size`: what a GPU's streaming-decode RTF should be measured on); else the tiny one."""
+    from engine.codec.config import DACConfig
     from engine.codec.dac import DAC
     from engine.codec.tiny import make_tiny_codec
 
-    if model_dir is None or not (model_dir / "codec").exists():
-        make_tiny_codec(tmp)
-        model_dir = tmp
-    return DAC.from_dir(model_dir), model_dir
+    if model_dir is not None and (model_dir / "codec").exists():
+        return DAC.from_dir(model_dir), "checkpoint"
+    if release_size:
+        torch.manual_seed(0)
+        return DAC(DACConfig()), "release-size, random weights"
+    make_tiny_codec(tmp)
+    return DAC.from_dir(tmp), "tiny"
 
 
 def check_codec(dac, device: torch.device, seconds: float = 4.0) -> dict:
@@ -157,7 +189,7 @@ def stream_rtf(dac, device: torch.device, batches: list[int], seconds: float = 4
     return out
 
 
-def xeus_rtf(model_dir: pathlib.Path | None, dac, device: torch.device, seconds: float = 4.0) -> dict:
+def xeus_rtf(model_dir: pathlib.Path | None, dac, device: torch.device, seconds: float = 4.0, iters: int = 3) -> dict:
     """One session of the audio tokenizer (DAC encoder + XEUS), 200 ms pieces, as the service runs it."""
     from engine.codec.ssl import load_ssl
     from engine.codec.synth import speech_like
@@ -166,8 +198,13 @@ def xeus_rtf(model_dir: pathlib.Path | None, dac, device: torch.device, seconds:
 
     if model_dir is not None and (model_dir / "ssl").exists():
         ssl, what = load_ssl(model_dir, device), "checkpoint"
-    else:
+    elif device.type == "cuda":
         ssl, what = XeusTokenizer(XeusConfig()).eval().to(device), "release-size, random weights"
+    else:  # the same code at a few percent of the width and depth (the release is 7x real time here)
+        small = XeusConfig(cnn_channels=32, output_size=32, attention_heads=2, linear_units=64,
+                           cgmlp_linear_units=64, cgmlp_conv_kernel=7, merge_conv_kernel=7, num_blocks=2,
+                           output_layer=1, pos_conv_kernel=16, pos_conv_groups=4)
+        ssl, what = XeusTokenizer(small).eval().to(device), "small, random weights (CPU smoke test)"
     tok = AudioTokenizer(dac.to(device), ssl)
     pcm = speech_like(seconds, seed=2)
     piece = vocab.SAMPLE_RATE_HZ // 5
@@ -183,7 +220,7 @@ def xeus_rtf(model_dir: pathlib.Path | None, dac, device: torch.device, seconds:
             tok.step([state])
 
     with torch.inference_mode():
-        ms = time_ms(run, device, iters=3)
+        ms = time_ms(run, device, iters=iters, warmup=min(iters, 3))
     dac.to("cpu")
     return {"ssl": what, "rtf": ms / 1e3 / seconds}
 
@@ -246,13 +283,15 @@ def check_reference(model_dir: pathlib.Path, device: torch.device, frames: int =
 # --- per-step cost of our additions ------------------------------------------------------------------
 
 
-def additions_cost(device: torch.device, batches: list[int], dtype: torch.dtype = torch.bfloat16) -> dict:
+def additions_cost(device: torch.device, shapes: tuple[decode_step.Shape, ...], batches: tuple[int, ...],
+                   dtype: torch.dtype = torch.bfloat16) -> dict:
     """ms per step of what OpusLM adds to a plain Llama step, at the released models' shapes."""
     from engine.vllm_plugin.aux_inputs import aux_embedding_sum
 
     out = {}
     gen = torch.Generator(device=device).manual_seed(0)
-    for name, hidden, vsize in SHAPES:
+    for shape in shapes:
+        hidden, vsize = shape.hidden, shape.vocab_size
         table = torch.randn(vsize, hidden, device=device, dtype=dtype, generator=gen) * 0.02
         lm_head = torch.randn(vsize, hidden, device=device, dtype=dtype, generator=gen) * 0.02
         bias = torch.zeros(heads.AUDIO_END, device=device, dtype=torch.float32)
@@ -271,7 +310,7 @@ def additions_cost(device: torch.device, batches: list[int], dtype: torch.dtype 
                     "aux_sampling_topk30": time_ms(lambda: sample_rows(heads.aux_logits(logits), cfg, [None] * b), device),
                     "cfg_merge": time_ms(lambda: guidance.merge(h.float(), h.float(), scale), device),
                 }
-        out[name] = rows
+        out[shape.name] = rows
         table = lm_head = None  # free both before the next shape allocates its own
     return out
 
@@ -279,17 +318,20 @@ def additions_cost(device: torch.device, batches: list[int], dtype: torch.dtype 
 # --- driver --------------------------------------------------------------------------------------
 
 
-CHECKS = ["graph", "codec", "sampling", "reference", "stream", "xeus", "additions"]
+CHECKS = ["graph", "codec", "sampling", "reference", "stream", "xeus", "additions", "step"]
+HARD = {"graph", "codec", "sampling", "step"}
 
 
-def run_checks(device: torch.device, model_dir: pathlib.Path | None, only: list[str], batches: list[int]) -> dict:
+def run_checks(device: torch.device, model_dir: pathlib.Path | None, only: list[str], batches: list[int],
+               sizes: Sizes, deadline: float = math.inf) -> dict:
     from engine.tiny import ensure_tiny
 
     lm_dir = model_dir or ensure_tiny(seed=0)
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-                     "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+                     "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"),
+                     "smoke_test": device.type != "cuda"}
     with tempfile.TemporaryDirectory() as tmp:
-        dac, _ = _codec(model_dir, pathlib.Path(tmp))
+        dac, dac_what = _codec(model_dir, pathlib.Path(tmp), release_size=device.type == "cuda")
         dac.eval()
         for name in only:
             t0 = time.perf_counter()
@@ -297,17 +339,21 @@ def run_checks(device: torch.device, model_dir: pathlib.Path | None, only: list[
                 if name == "graph":
                     r = check_graph(lm_dir, device)
                 elif name == "codec":
-                    r = check_codec(dac, device)
+                    r = check_codec(dac, device, seconds=sizes.stream_seconds)
                 elif name == "sampling":
-                    r = check_sampling(device)
+                    r = check_sampling(device, rows=sizes.sampling_rows, draws=sizes.sampling_draws)
                 elif name == "reference":
-                    r = check_reference(lm_dir, device)
+                    r = check_reference(lm_dir, device, frames=sizes.reference_frames)
                 elif name == "stream":
-                    r = stream_rtf(dac, device, batches)
+                    r = {"codec": dac_what, "batches": stream_rtf(dac, device, batches, seconds=sizes.stream_seconds)}
                 elif name == "xeus":
-                    r = xeus_rtf(model_dir, dac, device)
+                    r = xeus_rtf(model_dir, dac, device, seconds=sizes.xeus_seconds, iters=sizes.xeus_iters)
                 elif name == "additions":
-                    r = additions_cost(device, [1, 32, 64, 128])
+                    r = additions_cost(device, sizes.shapes, sizes.additions_batches)
+                elif name == "step":
+                    r = decode_step.sweep(decode_step.SweepConfig(
+                        sizes.shapes, sizes.step_contexts, sizes.step_max_rows, sizes.step_iters,
+                        deadline=deadline), device)
                 else:
                     raise ValueError(name)
             except Exception as e:  # one broken check must not hide the others' results
@@ -315,25 +361,86 @@ def run_checks(device: torch.device, model_dir: pathlib.Path | None, only: list[
             r["seconds"] = round(time.perf_counter() - t0, 2)
             results[name] = r
             print(f"{name}: {json.dumps(r, default=str)}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    results["vllm_imported"] = "vllm" in sys.modules and sys.modules["vllm"] is not None
     return results
+
+
+def _summary(name: str, r: dict) -> str:
+    """One line of what a check found."""
+    if "error" in r:
+        return r["error"]
+    if name == "graph":
+        how = "CUDA graph" if r["captured"] else "eager (no capture on a CPU)"
+        return f"{how}: replays equal eager {'exactly' if r['exact'] else max(r['max_abs_diff_per_replay'])}, outputs change"
+    if name == "codec":
+        return f"SNR {r['snr_db']:.1f} dB"
+    if name == "sampling":
+        return f"greedy equal {r['greedy_equal']}, outside top-k {r['draws_outside_top_k']}, TV {r['total_variation']:.3f} < {r['tv_bound']:.3f}"
+    if name == "reference":
+        return f"steps equal {r['steps_equal']}/{r['steps']}, first divergence {r['first_divergence']}"
+    if name == "stream":
+        rtf = ", ".join(f"{b}: {v['rtf_per_session']:.4f}" for b, v in r["batches"].items())
+        return f"RTF per session at batch {rtf} ({r['codec']})"
+    if name == "xeus":
+        return f"RTF {r['rtf']:.3f} ({r['ssl']})"
+    if name == "additions":
+        parts = []
+        for shape, rows in r.items():
+            if isinstance(rows, dict):
+                b = max(rows)
+                v = rows[b]
+                parts.append(f"{shape} b={b}: emb {v['aux_embedding']:.3f} head {v['audio_rows_head']:.3f} "
+                             f"sample {v['aux_sampling_topk30']:.3f} cfg {v['cfg_merge']:.3f} ms")
+        return "; ".join(parts)
+    if name == "step":
+        return "table below"
+    return ""
+
+
+def format_table(results: dict, only: list[str]) -> list[str]:
+    """The printed report: one line per check, then the step check's table."""
+    lines = [f"gpu_check on {results['device']} (torch {results['torch']}, {results['date']})"
+             + (": CPU SMOKE TEST at tiny shapes, the numbers mean nothing" if results["smoke_test"] else ""),
+             f"  {'check':<10} {'status':<6} {'s':>6}  result"]
+    for name in only:
+        r = results[name]
+        status = "ERROR" if "error" in r else ("pass" if r.get("ok") else "FAIL") if name in HARD else "ran"
+        lines.append(f"  {name:<10} {status:<6} {r['seconds']:>6.1f}  {_summary(name, r)}")
+    if "step" in only and "error" not in results["step"]:
+        lines += decode_step.format_table(results["step"])
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: every check on the CPU at small shapes (a smoke test of this script)")
     p.add_argument("--model", type=pathlib.Path, default=None, help="converted checkpoint (default: tiny random models)")
     p.add_argument("--only", nargs="+", choices=CHECKS, default=CHECKS)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32, 64], help="streaming decode batches")
+    p.add_argument("--batches", type=int, nargs="+", default=None,
+                   help="streaming decode batches (default 1 8 16 32 64; 1 2 on a CPU)")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="no step probe starts after this many seconds from the start (default 420)")
     p.add_argument("--json", type=pathlib.Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cpu":
+        device, sizes = torch.device("cpu"), CPU_SIZES
+    elif not torch.cuda.is_available():
         print(NO_GPU_MESSAGE)
         return 0
-    device = torch.device("cuda", torch.cuda.current_device())
-    results = run_checks(device, args.model, args.only, args.batches)
+    else:
+        device, sizes = torch.device("cuda", torch.cuda.current_device()), GPU_SIZES
+    batches = args.batches or ([1, 8, 16, 32, 64] if device.type == "cuda" else [1, 2])
+    results = run_checks(device, args.model, args.only, batches, sizes, deadline=_START + args.budget_s)
+    results["seconds"] = round(time.perf_counter() - _START, 1)
+    failed = [n for n in args.only if results[n].get("ok") is False]
+    results["failed"] = failed
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
-    failed = [n for n in args.only if results[n].get("ok") is False]
-    print("gpu_check: " + ("FAILED: " + " ".join(failed) if failed else "all hard checks passed"))
+    print("\n".join(format_table(results, args.only)))
+    print(f"gpu_check: {results['seconds']} s; " + ("FAILED: " + " ".join(failed) if failed else "all hard checks passed"))
     return 1 if failed else 0
 
 
