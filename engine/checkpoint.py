@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import vocab
+from engine.layout import DEFAULT_SPEAKER_PROMPT_LENGTH, PromptLayout
 
 ARCHITECTURE = "OpusLMForCausalLM"
 MODEL_TYPE = "opuslm"
@@ -28,6 +29,9 @@ NUM_HEAD_EMB = 12  # ESPnet allocates 12 rows; rows 9-11 are unused
 # "llama": SmolLM2 / Llama layers (pre-norm). "olmo2": OLMo-2 layers (q/k RMSNorm over the whole
 # projection, norms after attention and after the MLP, no input norm), as in HF `Olmo2Model`.
 SUPPORTED_BACKBONES = ("llama", "olmo2")
+# OpusLMConfig fields kept in config.json's "opuslm" block (a checkpoint written before the layout
+# values were carried has none: the defaults, which are what it was served with)
+_BLOCK_FIELDS = ("backbone", "num_streams", "text_size", "speaker_prompt_length", "pad_speaker_prompt")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class OpusLMConfig:
     backbone: str = "llama"
     torch_dtype: str = "float32"
     num_streams: int = vocab.NUM_STREAMS
+    # the layout values of the checkpoint's training config (engine/layout.py), in the "opuslm" block
+    speaker_prompt_length: int = DEFAULT_SPEAKER_PROMPT_LENGTH
+    pad_speaker_prompt: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -59,6 +66,11 @@ class OpusLMConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         vocab.VocabLayout(text_size=self.text_size, vocab_size=self.vocab_size)
+        PromptLayout(self.speaker_prompt_length, self.pad_speaker_prompt)  # ValueError on a bad value
+
+    @property
+    def prompt_layout(self) -> PromptLayout:
+        return PromptLayout(self.speaker_prompt_length, self.pad_speaker_prompt)
 
     @property
     def head_dim(self) -> int:
@@ -96,6 +108,8 @@ class OpusLMConfig:
                 "backbone": self.backbone,
                 "num_streams": self.num_streams,
                 "text_size": self.text_size,
+                "speaker_prompt_length": self.speaker_prompt_length,
+                "pad_speaker_prompt": self.pad_speaker_prompt,
                 **self.extra,
             },
         }
@@ -117,7 +131,7 @@ class OpusLMConfig:
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {k: d[k] for k in known if k in d and k != "extra"}
         kwargs["rope_theta"] = float(rope_theta)
-        for key in ("backbone", "num_streams", "text_size"):
+        for key in _BLOCK_FIELDS:
             if key in block:
                 kwargs[key] = block.pop(key)
         block.pop("format_version", None)

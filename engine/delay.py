@@ -12,8 +12,9 @@ Generation of an audio segment (step s counted from the segment's first generate
     streams k at s < k (warm-up) and at s-k >= F (flush) are PAD.
 
 So F frames take F + 8 steps, and the step that completes the last frame is the one that stops
-the request. ESPnet's own loop runs one more all-pad step and a second EOS; that step carries no
-code, so we end on the step that completes the data.
+the request. ESPnet's loop (ar_delay.py::ARDelayLM.inference, jctian98/espnet@42e484b6) runs to step
+F+9 and starts its forced flush one step late; the PAD from step F+1 on is its training layout's
+(engine/README.md, "Generation", has the comparison and the commits).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Layout (ESPnet's chat format, checked against ESPnet's code; the sources and the
 engine/tasks.py, whose test rebuilds this layout the way ESPnet does and compares):
 
     5 <audio_dialogue task 89>
-    8 37  speaker prompt: 500 frames (cut, or zero-padded) + 8-step flush  (optional voice)
+    8 37  speaker prompt: L frames (cut, or zero-padded) + 8-step flush    (optional voice)
     9 34  user audio + 8-step flush                        | one pair of segments
     9 35  user text + 8 pads                  (optional)   | per turn, in this order
     10 35 assistant text + 8 pads             (optional)   | (speechlm_dialogue_assemble.py:
@@ -21,6 +21,11 @@ dialogue model was trained with), but the contexts of that model's last training
 espnet/vllm fork's `_build_dialogue_sequence` have none, and this path is unchanged from before.
 The history holds what was actually said and played: an interrupted assistant turn keeps only its
 played frames.
+
+L is the checkpoint's `speaker_prompt_length` (500 for the released models and the tiny one), and a
+shorter voice is padded to it only with `pad_speaker_prompt`: both come from the checkpoint's training
+config (engine/layout.py), and every function here that lays out or counts the head takes that
+`layout` (default: DEFAULT_LAYOUT, the tiny model's).
 """
 
 from __future__ import annotations
@@ -32,12 +37,12 @@ from itertools import accumulate
 import numpy as np
 
 from engine import delay, vocab
+from engine.layout import DEFAULT_LAYOUT, PromptLayout
 from engine.prompt import audio_segment, open_audio_segment, special_rows
 
-# ESPnet's speaker prompt is always this long: longer ones are cut (ESPnet: a random window in
-# training; here the first 10 s), shorter ones zero-padded (`pad_speaker_prompt`, on by default):
-# espnet2/train/preprocessor.py::SpeechLMPreprocessor.modality_specific_processing, modality "spk".
-SPEAKER_PROMPT_FRAMES = 500
+# The default layout's speaker prompt length (the tiny model's, the released models'); a checkpoint's
+# own is `checkpoint.OpusLMConfig.prompt_layout` (engine/layout.py has ESPnet's rule).
+SPEAKER_PROMPT_FRAMES = DEFAULT_LAYOUT.speaker_prompt_length
 SEGMENT_ROWS = 2 + delay.FLUSH_STEPS  # a segment's role and modality rows, and its 8-step flush
 HEAD_ROWS = 2  # <sos> <audio_dialogue task>
 OPENER_ROWS = 2  # the assistant audio segment the model generates into
@@ -62,25 +67,23 @@ def text_segment(role: int, text_ids: list[int]) -> np.ndarray:
     return np.concatenate([rows, special_rows(*([vocab.PAD] * delay.MAX_DELAY))])
 
 
-def speaker_prompt_frames(frames: np.ndarray) -> np.ndarray:
-    """The speaker prompt as ESPnet lays it out: exactly SPEAKER_PROMPT_FRAMES frames, the first ones
-    of `frames`, then all-PAD frames (PAD in all 9 streams, as ESPnet pads)."""
-    frames = np.asarray(frames, dtype=np.int64).reshape(-1, vocab.NUM_STREAMS)[:SPEAKER_PROMPT_FRAMES]
-    pad = np.full((SPEAKER_PROMPT_FRAMES - len(frames), vocab.NUM_STREAMS), vocab.PAD, dtype=np.int64)
-    return np.concatenate([frames, pad])
+def speaker_prompt_frames(frames: np.ndarray, layout: PromptLayout = DEFAULT_LAYOUT) -> np.ndarray:
+    """The speaker prompt as ESPnet lays it out: the first `layout.speaker_prompt_length` frames of
+    `frames`, then (`layout.pad_speaker_prompt`) all-PAD frames up to that length."""
+    return layout.speaker_frames(frames)
 
 
-def speaker_segment(frames: np.ndarray) -> np.ndarray:
-    return audio_segment(vocab.SYSTEM, speaker_prompt_frames(frames), modality=vocab.SPEAKER)
+def speaker_segment(frames: np.ndarray, layout: PromptLayout = DEFAULT_LAYOUT) -> np.ndarray:
+    return audio_segment(vocab.SYSTEM, speaker_prompt_frames(frames, layout), modality=vocab.SPEAKER)
 
 
 def history_rows(turns: list[DialogueTurn], speaker_frames: np.ndarray | None = None, *,
-                 system_ids: Sequence[int] = ()) -> np.ndarray:
+                 system_ids: Sequence[int] = (), layout: PromptLayout = DEFAULT_LAYOUT) -> np.ndarray:
     """The prompt up to and including the last turn (no opener). `system_ids`: the system text (the
     session's instructions, global text ids), a `8 35` segment after the speaker prompt."""
     parts = [special_rows(vocab.SOS_EOS, vocab.TASK_AUDIO_DIALOGUE)]
     if speaker_frames is not None and len(speaker_frames):
-        parts.append(speaker_segment(speaker_frames))
+        parts.append(speaker_segment(speaker_frames, layout))
     if len(system_ids):
         parts.append(text_segment(vocab.SYSTEM, [int(i) for i in system_ids]))
     for turn in turns:
@@ -102,25 +105,25 @@ def history_rows(turns: list[DialogueTurn], speaker_frames: np.ndarray | None = 
 
 def response_prompt(
     turns: list[DialogueTurn], speaker_frames: np.ndarray | None = None, *, text_first: bool = False,
-    system_ids: Sequence[int] = (),
+    system_ids: Sequence[int] = (), layout: PromptLayout = DEFAULT_LAYOUT,
 ) -> np.ndarray:
     """The full prompt for the assistant's next answer: it opens the assistant's audio segment, or
     with `text_first` its text segment (`10 35`), so that the model writes the answer's text and ends
     it (<sos/eos>, the only end ESPnet's text mask allows), and the caller then appends the text's 8
     pad rows and opens the audio segment (`10 34`)."""
     opener = special_rows(vocab.ASSISTANT, vocab.TEXT_BPE) if text_first else open_audio_segment(vocab.ASSISTANT)
-    return np.concatenate([history_rows(turns, speaker_frames, system_ids=system_ids), opener])
+    return np.concatenate([history_rows(turns, speaker_frames, system_ids=system_ids, layout=layout), opener])
 
 
 def answer_audio_prompt(
     turns: list[DialogueTurn], text_ids: Sequence[int], speaker_frames: np.ndarray | None = None, *,
-    system_ids: Sequence[int] = (),
+    system_ids: Sequence[int] = (), layout: PromptLayout = DEFAULT_LAYOUT,
 ) -> np.ndarray:
     """After a `text_first` answer wrote `text_ids` and ended them: the prompt that opens the answer's
     audio segment, laid out as the history will hold the answer (its text segment, then `10 34`), so the
     next turn's prompt extends it and the prefix cache serves it. (ESPnet's chat inference generates one
     target segment per call the same way.)"""
-    parts = [history_rows(turns, speaker_frames, system_ids=system_ids)]
+    parts = [history_rows(turns, speaker_frames, system_ids=system_ids, layout=layout)]
     if len(text_ids):
         parts.append(text_segment(vocab.ASSISTANT, [int(i) for i in text_ids]))
     parts.append(open_audio_segment(vocab.ASSISTANT))
@@ -129,7 +132,7 @@ def answer_audio_prompt(
 
 def stable_user_prefix(
     turns: list[DialogueTurn], user_frames: np.ndarray, speaker_frames: np.ndarray | None = None, *,
-    system_ids: Sequence[int] = (),
+    system_ids: Sequence[int] = (), layout: PromptLayout = DEFAULT_LAYOUT,
 ) -> np.ndarray:
     """The part of the next prompt that is final while the user is still talking.
 
@@ -138,7 +141,7 @@ def stable_user_prefix(
     """
     user = np.asarray(user_frames, dtype=np.int64).reshape(-1, vocab.NUM_STREAMS)
     steps = delay.interleave(user)[: len(user)]
-    return np.concatenate([history_rows(turns, speaker_frames, system_ids=system_ids),
+    return np.concatenate([history_rows(turns, speaker_frames, system_ids=system_ids, layout=layout),
                            special_rows(vocab.USER, vocab.CODEC_SSL), steps])
 
 
@@ -159,10 +162,11 @@ def turn_rows(turn: DialogueTurn) -> int:
     return rows + (SEGMENT_ROWS + len(turn.text_ids) if turn.text_ids else 0)
 
 
-def head_rows(speaker_frames: int, system_tokens: int = 0) -> int:
-    """The positions before the first turn: the task marker, the speaker prompt if any (always
-    SPEAKER_PROMPT_FRAMES frames long, whatever was given) and the system text if any."""
-    speaker = SEGMENT_ROWS + SPEAKER_PROMPT_FRAMES if speaker_frames > 0 else 0
+def head_rows(speaker_frames: int, system_tokens: int = 0, layout: PromptLayout = DEFAULT_LAYOUT) -> int:
+    """The positions before the first turn: the task marker, the speaker prompt if any (of
+    `layout.speaker_rows(speaker_frames)` frames: cut to the layout's length, and padded to it when
+    the layout pads) and the system text if any."""
+    speaker = SEGMENT_ROWS + layout.speaker_rows(speaker_frames) if speaker_frames > 0 else 0
     return HEAD_ROWS + speaker + (SEGMENT_ROWS + system_tokens if system_tokens > 0 else 0)
 
 
@@ -199,6 +203,7 @@ def fit_context(
     at_least: int = 0,
     max_text_tokens: int = 0,
     system_tokens: int = 0,
+    layout: PromptLayout = DEFAULT_LAYOUT,
 ) -> ContextFit:
     """How many leading `turns` to drop so that the prompt (history + the current user turn of
     `user_frames`) and an answer of `max_frames` fit `max_model_len` positions.
@@ -210,14 +215,15 @@ def fit_context(
     dropped (`fits` False when it does not fit). `at_least`: drop no fewer turns than this (what an
     incremental prefill already assumed, so the response reuses its cache). `max_text_tokens`: the
     answer is `text_first`, with up to that many text tokens before its audio. `system_tokens`: the
-    system text's length (never dropped, like the speaker prompt).
+    system text's length (never dropped, like the speaker prompt). `layout`: the checkpoint's, which
+    sizes the speaker prompt.
 
     When even the user turn alone leaves no room for the whole answer, every earlier turn goes and
     the answer is capped to what fits, if that is at least `MIN_ANSWER_FRAMES` (or all it asked).
     """
     rows = [turn_rows(t) for t in turns]
     after = list(accumulate(reversed(rows), initial=0))[::-1]  # after[k]: rows of turns[k:]
-    head = head_rows(speaker_frames, system_tokens) + OPENER_ROWS
+    head = head_rows(speaker_frames, system_tokens, layout) + OPENER_ROWS
     user = SEGMENT_ROWS + user_frames
     room = max_model_len - head - answer_rows(max_frames, max_text_tokens)  # for the kept turns and the user turn
     starts = [k for k in exchange_starts(turns) if k >= min(at_least, len(turns))]

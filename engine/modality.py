@@ -1,27 +1,47 @@
 """Text and audio in one request: which modality each generated step is in, what stream 0 may emit in
 a text phase, and how a request's steps split into its text and its audio. Pure numpy, no torch.
 
-ESPnet's semantics (espnet2/speechlm/core_lm/ar_delay.py `ARDelayLM.inference`, with the masks of
-espnet2/bin/speechlm_inference.py `SpeechLM.__init__`): generation starts in the modality of the
-prompt's last marker and samples under that modality's mask; in a *text* segment stream 0 samples
-text ids and streams 1-8 are PAD; when the task has more than one target, stream 0 may also emit a
-modality marker ([32, 64)), which switches the modality from the next step on; `<sos/eos>` (allowed
-after `minlen` steps) ends the generation.
+ESPnet's loop, the one that matches the released checkpoints (one shared `lm_head` for all 9 streams
+plus the per-stream `head_emb`; no `aux_lm_head`, which the converter refuses):
+espnet2/speechlm/core_lm/ar_delay.py::ARDelayLM.inference at jctian98/espnet@42e484b6 (master of the
+fork that carries ESPnet's SpeechLM code, the branch of espnet/espnet PR #6146; its sampling loop is
+jctian98/espnet@814cd9ab's but for the end detection, engine/README.md "Generation"). It is driven
+by espnet2/bin/speechlm_inference.py::SpeechLM.__call__, which cuts the sequence into segments
+(espnet2/speechlm/inference_utils.py::parse_sequence) and makes one `inference` call per target
+segment, with the mask and sampling options of that segment's modality: the marker that ends the
+prefill (`<codec_ssl_start/end>` or `<text_bpe_start/end>`; inference_utils.py::build_inference_config,
+::build_mask). Within a call the modality never changes: in audio, stream 0 samples SSL ids (or its
+own marker, or `<sos/eos>` after `minlen`) and stream k its codebook or PAD; in text, stream 0 samples
+text ids (or its marker, or `<sos/eos>`) and streams 1-8 only PAD. `<sos/eos>` ends the segment.
+
+An older loop (espnet/espnet@54f98b34 ARDelayLM.inference, with the masks of espnet2/bin/
+speechlm_inference.py SpeechLM.__init__) had an `aux_lm_head` for streams 1-8 and switched modality
+when stream 0 emitted a marker in [32, 64): not the released checkpoints' architecture.
 
 What we serve of it, and where we differ:
-- A request starts in audio (`vocab.CODEC_SSL`, today's segments) or in text (`vocab.TEXT_BPE`).
-- A text phase may switch to audio (stream 0 emits `CODEC_SSL`) when the request allows it (the
-  dialogue's assistant text before its speech). Only that marker is offered: ESPnet unmasks all of
-  [32, 64), but a switch into a modality the request has no mask for (speaker, or text into text) is
-  a KeyError there and meaningless here. The audio segment then starts exactly as a prompt's `34`
-  opener starts one: with the delay warm-up (stream k PAD for its first k steps), because ESPnet
-  interleaves text positions with PAD in streams 1-8, so the codebooks right after the marker are PAD.
+- A request starts in audio (`vocab.CODEC_SSL`, today's segments) or in text (`vocab.TEXT_BPE`): the
+  modality of its prompt's last marker, as ESPnet picks the segment's options.
+- A text phase may switch to audio (stream 0 emits `CODEC_SSL`) when the request allows it. This is
+  ours, not ESPnet's current loop: ESPnet's chat inference, and our dialogue answers, run an answer's
+  text and its audio as two calls (engine/README.md, "Text and audio in one request"); the switch
+  serves multi-target task prompts and `duplex generate`. Only that marker is offered (a switch into
+  speaker, or text into text, is meaningless). The audio segment then starts exactly as a prompt's
+  `34` opener starts one: with the delay warm-up (stream k PAD for its first k steps), because ESPnet's
+  training layout (the whole sequence interleaved, ARDelayLM.forward) has text rows PAD in streams 1-8,
+  so the codebooks right after the marker are PAD.
 - An audio phase never switches back to text: no served layout has generated text after generated
   audio in one turn, and the audio segment would need its delay tail flushed first.
-- EOS in a text phase ends the request at once: a text segment has nothing delayed to flush. It
-  leaves the engine as `ENGINE_STOP` (the request's only stop token), so no extra step is run.
+- Streams 1-8 never sample PAD inside an audio segment (ESPnet's mask allows it): a DAC frame with a
+  PAD cannot be decoded. Their warm-up and flush PADs are forced, as ESPnet forces them.
+- EOS in a text phase ends the request at once: a text segment has nothing delayed to flush (ESPnet
+  still runs its flush steps, all PAD in streams 1-8). It leaves the engine as `ENGINE_STOP` (the
+  request's only stop token), so no extra step is run.
 - `max_text_tokens` forces the end of the text: the switch when the request allows one (the answer
-  still gets its audio), else EOS.
+  still gets its audio), else EOS (ESPnet forces `<sos/eos>` where its `maxlen` would cut the flush).
+
+The two places where our audio steps depart from ESPnet's loop on purpose (the warm-up of a continued
+segment carries the prompt's frames; PAD right after the end token) follow ESPnet's training layout
+instead: engine/README.md, "Generation", gives the argument.
 """
 
 from __future__ import annotations

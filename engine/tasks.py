@@ -15,19 +15,27 @@ which holds the DPO dialogue training the dialogue model's config names (`model:
   and .modality_specific_processing. The sequence is <sos/eos> <task> then, per segment of the
   task's conditions then targets (SpeechLMTaskTemplate.data_triplets): [role, chat tasks only]
   <modality> content [<sos/eos>, targets only] then `inter_segment_pad` all-PAD rows. Conditions
-  (what a prompt holds) have no end token. The speaker prompt (modality spk) is always
-  `speaker_prompt_length` frames, cut or zero-padded in all 9 streams.
+  (what a prompt holds) have no end token. The speaker prompt (modality spk) is
+  `speaker_prompt_length` frames, cut, or padded with PAD in all 9 streams when `pad_speaker_prompt`
+  (.modality_specific_processing).
+- Layout values: the preprocessor's arguments come from the experiment's config
+  (espnet2/tasks/speechlm.py::SpeechLMTask.build_preprocess_fn; argparse defaults in
+  .add_task_arguments: speaker_prompt_length 150, pad_speaker_prompt true; the same at
+  jctian98@42e484b6). The converter carries the first two into the checkpoint's config
+  (engine/layout.py) and every builder here takes that `layout`; `codec_token_in_use` (the row width,
+  ARDelayLM's nq) must be 9, or the converter refuses the checkpoint.
 - The pad: espnet2/tasks/speechlm.py::SpeechLMTask.build_preprocess_fn passes
   inter_segment_pad = codec_token_in_use - 1 (= 8) when corelm is ar_delay (jctian98@72221036,
-  siddhu001@f94fdb6d); the preprocessor's comment: "after the interleave, there is still no overlap
-  between consecutive segments".
+  jctian98@42e484b6, siddhu001@f94fdb6d); the preprocessor's comment: "after the interleave, there is
+  still no overlap between consecutive segments".
 - Interleave: espnet2/speechlm/core_lm/ar_delay.py::ARDelayLM.forward interleaves the whole
-  dec_seq (stream k lags k steps); .inference (jctian98@814cd9ab) interleaves the prefill (history
-  plus the target's role/modality rows), truncated to its length, and feeds its last row to start;
-  earlier (espnet@54f98b34, with espnet2/bin/speechlm_inference.py: start = the target modality's
-  token) it appends [start modality, 0...] to the prefix and interleaves prefix + start + suffix.
-  Same rows either way. Thanks to the 8 pad rows, interleaving the whole sequence equals
-  interleaving each audio segment on its own with an 8-step tail (engine/dialogue.py's layout).
+  dec_seq (stream k lags k steps); .inference (jctian98@814cd9ab, unchanged at jctian98@42e484b6)
+  interleaves the prefill (history plus the target's role/modality rows), truncated to its length,
+  and feeds its last row to start; earlier (espnet@54f98b34, with espnet2/bin/speechlm_inference.py:
+  start = the target modality's token) it appends [start modality, 0...] to the prefix and
+  interleaves prefix + start + suffix. Same rows either way. Thanks to the 8 pad rows, interleaving
+  the whole sequence equals interleaving each audio segment on its own with an 8-step tail
+  (engine/dialogue.py's layout).
 - Inference split: espnet2/speechlm/inference_utils.py::parse_sequence cuts at modality tokens
   (chat mode: one row earlier, at the role); a target is prefilled with its modality token (task
   mode) or role and modality (chat mode) and generated from there.
@@ -37,7 +45,7 @@ Layouts (rows of the undelayed sequence; audio is delay-interleaved, "+ 8" is th
     ASR (codec_ssl_asr 80)           TTS (codec_ssl_tts 81; plain 82: no 37 segment)
     5 80                             5 81
     34 user audio (T frames) + 8     35 text + 8
-    35  <- transcript (text)         37 speaker prompt (500 frames, zero-padded) + 8
+    35  <- transcript (text)         37 speaker prompt (L frames, cut or zero-padded) + 8
                                      34  <- speech (audio)
 
     continuation (codec_ssl_audiolm 83)          text dialogue (text_dialogue 88)
@@ -48,6 +56,8 @@ Layouts (rows of the undelayed sequence; audio is delay-interleaved, "+ 8" is th
                                                  ...
                                                  10 35  <- assistant text
 
+(L: the checkpoint's speaker_prompt_length, 500 for the released models and the tiny one.)
+
 Where this differs from the espnet/vllm fork (its opuslm.py model file): the fork's ASR path ends
 the user audio with a `34` before its 8 pads (ESPnet adds no end token to a condition), and its TTS
 path (`_layout_task_sequence`) lays out [5 81 35 text 0x8 34] with no `37` speaker segment between
@@ -55,7 +65,15 @@ the text and the target. We follow ESPnet's preprocessor: it made the sequences 
 
 The continuation is the one task whose prompt does not end with a segment opener: ESPnet's audiolm
 task is a single segment, so the prompt is its beginning and the delay pattern carries the prompt's
-last frames into the first generated steps (`TaskPrompt.carry`).
+last frames into the first generated steps (`TaskPrompt.carry`). Here we depart from ESPnet's
+inference loop on purpose: ARDelayLM.inference (jctian98@42e484b6, as @814cd9ab) forces streams
+k > s to PAD at every generated step s <= nq whatever the prompt ends with, and its prefill cuts the
+interleave at the prompt's length, so those codes are lost. Its training layout is the other way:
+ARDelayLM.forward interleaves the whole sequence, so in the middle of a segment stream k at step s
+holds frame T + s - k, a prompt frame for s < k. The carry feeds the model that sequence, the one it
+was trained on. (For a fresh segment, a prompt ending with its opener, the carry is all PAD: the same
+rows as ESPnet's. Our other departure, PAD right after the end token, is in engine/README.md,
+"Generation".)
 """
 
 from __future__ import annotations
@@ -67,6 +85,7 @@ import numpy as np
 
 from engine import delay, vocab
 from engine.dialogue import speaker_prompt_frames
+from engine.layout import DEFAULT_LAYOUT, PromptLayout
 from engine.prompt import special_rows
 
 # ESPnet's inter_segment_pad for the delay architecture: nq - 1 all-PAD rows after every segment.
@@ -112,9 +131,9 @@ def audio_segment(frames: np.ndarray, role: int | None = None, modality: int = v
     return Segment(modality, _audio(frames), role)
 
 
-def speaker_segment(frames: np.ndarray, role: int | None = None) -> Segment:
-    """The speaker prompt: `dialogue.SPEAKER_PROMPT_FRAMES` frames, cut or zero-padded."""
-    return Segment(vocab.SPEAKER, speaker_prompt_frames(_audio(frames)), role)
+def speaker_segment(frames: np.ndarray, role: int | None = None, layout: PromptLayout = DEFAULT_LAYOUT) -> Segment:
+    """The speaker prompt: `layout.speaker_prompt_length` frames, cut, or zero-padded when the layout pads."""
+    return Segment(vocab.SPEAKER, speaker_prompt_frames(_audio(frames), layout), role)
 
 
 def text_segment(text_ids: Sequence[int], role: int | None = None, end: int | None = None) -> Segment:
@@ -148,12 +167,14 @@ def asr_prompt(frames: np.ndarray) -> TaskPrompt:
     return interleaved(seq, vocab.TEXT_BPE)
 
 
-def tts_prompt(text_ids: Sequence[int], speaker_frames: np.ndarray | None = None) -> TaskPrompt:
+def tts_prompt(
+    text_ids: Sequence[int], speaker_frames: np.ndarray | None = None, layout: PromptLayout = DEFAULT_LAYOUT
+) -> TaskPrompt:
     """Text (global ids) -> speech; with `speaker_frames` (a voice to imitate) the codec_ssl_tts task,
-    without it codec_ssl_plain_tts."""
+    without it codec_ssl_plain_tts. `layout`: the checkpoint's (the speaker prompt's length)."""
     segments = [text_segment(text_ids)]
     if speaker_frames is not None and len(speaker_frames):
-        segments.append(speaker_segment(speaker_frames))
+        segments.append(speaker_segment(speaker_frames, layout=layout))
         task = vocab.TASK_TTS
     else:
         task = vocab.TASK_PLAIN_TTS

@@ -15,9 +15,12 @@ a flat state dict or DeepSpeed's `{"module": state_dict}`. Checked against ESPne
 
 Steps, in order; nothing is written before all checks pass:
   1. read config.yaml; check the token layout (token_bias ranges, every special id by name in
-     token_list) against engine/vocab.py;
+     token_list) against engine/vocab.py, and read the prompt layout values ESPnet's preprocessor
+     takes from it (`read_prompt_layout`: speaker_prompt_length, pad_speaker_prompt; the values the
+     engine cannot serve, such as codec_token_in_use other than 9, are refused naming the field);
   2. read the backbone's HF config.json (`transformer_conf.hf_model_tag`: a local directory or a
-     hub id found in the local HF cache; `backbone_config` overrides) -> OpusLMConfig;
+     hub id found in the local HF cache; `backbone_config` overrides) -> OpusLMConfig, which carries
+     the prompt layout values into config.json;
   3. open the weights with `torch.load(mmap=True, weights_only=True)`, map every name, and check
      names and shapes against `checkpoint.expected_weight_shapes`;
   4. stream the tensors into `model.safetensors` (stream_write.py: bounded memory), write
@@ -38,6 +41,7 @@ import torch
 
 from engine import checkpoint, vocab
 from engine.convert import hub
+from engine.layout import PromptLayout
 from engine.convert.codec import prepare_codec, write_codec
 from engine.convert.errors import ConversionError
 from engine.convert.readers import load_state, read_yaml
@@ -136,6 +140,57 @@ def check_token_layout(conf: dict[str, Any], source: str) -> vocab.VocabLayout:
         raise ConversionError(f"{source}: {e}") from None
 
 
+# ESPnet's defaults where the config omits a value: espnet2/tasks/speechlm.py::SpeechLMTask.add_task_arguments
+# (jctian98/espnet@42e484b6; espnet/espnet@07efb0b2). A config.yaml ESPnet wrote holds every argument, so
+# these apply only to hand-written ones.
+ESPNET_SPEAKER_PROMPT_LENGTH = 150
+ESPNET_PAD_SPEAKER_PROMPT = True
+
+
+def read_prompt_layout(conf: dict[str, Any], source: str) -> tuple[PromptLayout, list[str]]:
+    """The layout values ESPnet's preprocessor reads from config.yaml (engine/layout.py), and notes.
+
+    ESPnet (espnet2/tasks/speechlm.py::SpeechLMTask.build_preprocess_fn -> espnet2/train/preprocessor.py::
+    SpeechLMPreprocessor): `speaker_prompt_length` and `pad_speaker_prompt` size the speaker prompt;
+    `codec_token_in_use` is the number of streams every row has (ARDelayLM's `nq`, and
+    `inter_segment_pad` = codec_token_in_use - 1); `audio_modality` picks the id offset of the speaker
+    prompt's stream 0; `encoder_decoder_format` splits the sequence in two. The engine serves 9 streams
+    (its delay pattern, aux heads and codec all have 8 codebooks), codec_ssl audio and one decoder-only
+    sequence, so any other value of those three is refused here rather than served as a layout the
+    weights never saw.
+    """
+    notes: list[str] = []
+    per_frame = conf.get("codec_token_per_frame", vocab.NUM_STREAMS)
+    in_use = conf.get("codec_token_in_use")
+    if in_use is None:  # the preprocessor's rule: all of them
+        in_use = per_frame
+    if isinstance(in_use, bool) or not isinstance(in_use, int) or in_use != vocab.NUM_STREAMS:
+        raise ConversionError(
+            f"{source}: codec_token_in_use is {in_use!r}, the engine serves exactly {vocab.NUM_STREAMS} streams per "
+            f"frame (SSL + {vocab.NUM_CODEBOOKS} codebooks): a model trained on another number of streams (rows of "
+            "that width, that many minus one pad rows between segments) cannot be served"
+        )
+    modality = conf.get("audio_modality", "codec_ssl")
+    if modality != "codec_ssl":
+        raise ConversionError(f"{source}: audio_modality {modality!r} is not supported (the engine serves codec_ssl)")
+    if conf.get("encoder_decoder_format", False):
+        raise ConversionError(f"{source}: encoder_decoder_format true is not supported (the engine runs decoder-only)")
+    length = conf.get("speaker_prompt_length")
+    if length is None:
+        length = ESPNET_SPEAKER_PROMPT_LENGTH
+        notes.append(f"speaker_prompt_length not in config.yaml: ESPnet's default {length}")
+    pad = conf.get("pad_speaker_prompt")
+    if pad is None:
+        pad = ESPNET_PAD_SPEAKER_PROMPT
+    try:
+        layout = PromptLayout(speaker_prompt_length=length, pad_speaker_prompt=pad)
+    except ValueError as e:
+        raise ConversionError(f"{source}: {e}") from None
+    notes.append(f"prompt layout: speaker_prompt_length {layout.speaker_prompt_length}, "
+                 f"pad_speaker_prompt {str(layout.pad_speaker_prompt).lower()}")
+    return layout, notes
+
+
 # --- 2. the backbone's configuration -------------------------------------------------------------
 
 
@@ -169,7 +224,8 @@ def read_backbone_config(
 
 
 def opuslm_config(
-    bb: dict[str, Any], conf: dict[str, Any], layout: vocab.VocabLayout, torch_dtype: str, source: str
+    bb: dict[str, Any], conf: dict[str, Any], layout: vocab.VocabLayout, torch_dtype: str, source: str,
+    prompt: PromptLayout | None = None,
 ) -> checkpoint.OpusLMConfig:
     model_type = bb.get("model_type")
     if model_type not in _BACKBONES:
@@ -201,6 +257,8 @@ def opuslm_config(
             rope_theta=float(bb.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             backbone=_BACKBONES[model_type],
             torch_dtype=torch_dtype,
+            speaker_prompt_length=(prompt or PromptLayout()).speaker_prompt_length,
+            pad_speaker_prompt=(prompt or PromptLayout()).pad_speaker_prompt,
         )
     except KeyError as e:
         raise ConversionError(f"{source}: missing field {e.args[0]!r}") from None
@@ -303,10 +361,11 @@ def convert_espnet(
         raise ConversionError(f"{out} exists and is not an empty directory")
     conf = read_yaml(src / "config.yaml")
     layout = check_token_layout(conf, str(src / "config.yaml"))
+    prompt_layout, layout_notes = read_prompt_layout(conf, str(src / "config.yaml"))
     bb, bb_source = read_backbone_config(src, conf, Path(backbone_config) if backbone_config else None,
                                          Path(hf_cache_dir) if hf_cache_dir else None)
     out_dtype, dtype_name = DTYPES[dtype]
-    cfg = opuslm_config(bb, conf, layout, dtype_name, bb_source)
+    cfg = opuslm_config(bb, conf, layout, dtype_name, bb_source, prompt_layout)
     weights = find_weights(src)
     state = load_state(weights)
     share_emb = bool((conf.get("corelm_conf") or {}).get("share_emb", False))
@@ -332,6 +391,7 @@ def convert_espnet(
     checkpoint.save_config(cfg, out)
     shutil.copyfile(src / "config.yaml", out / "espnet_config.yaml")
     report = ConversionReport(out, cfg.backbone, bb_source, dtype_name, len(names), nbytes, dropped)
+    report.notes += layout_notes
     if tokenizer_files:
         (out / TOKENIZER_SUBDIR).mkdir()
         for name, path in tokenizer_files.items():

@@ -129,7 +129,9 @@ def write_espnet_checkpoint(
         "corelm": "ar_delay",
         "corelm_conf": {"share_emb": False},
         "transformer_conf": {"hf_model_tag": "backbone", "n_ctx": N_CTX, "dtype": "bfloat16"},
-        "speaker_prompt_length": 500,
+        "speaker_prompt_length": 500,  # the layout values ESPnet's preprocessor reads (engine/layout.py)
+        "pad_speaker_prompt": True,
+        "codec_token_in_use": vocab.NUM_STREAMS,
     }
     (exp_dir / "config.yaml").write_text(yaml.safe_dump(conf, sort_keys=False))
     sd = {k: v.to(dtype) for k, v in espnet_state_dict(backbone, seed).items()}

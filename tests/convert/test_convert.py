@@ -13,8 +13,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from engine import vocab
-from engine.checkpoint import load_config
+from engine import delay, vocab
+from engine.checkpoint import OpusLMConfig, load_config
 from engine.cli import main as cli_main
 from engine.convert import ConversionError, convert_espnet
 from engine.text import NoTextTokenizerError, TextTokenizer
@@ -42,6 +42,17 @@ def _edit_state(exp: Path, fn) -> None:
     sd = torch.load(exp / "model.pth", weights_only=True)
     fn(sd)
     torch.save(sd, exp / "model.pth")
+
+
+def _edit_conf(exp: Path, **values) -> None:
+    """Set (value) or remove (None) top-level fields of the experiment's config.yaml."""
+    conf = yaml.safe_load((exp / "config.yaml").read_text())
+    for key, value in values.items():
+        if value is None:
+            conf.pop(key, None)
+        else:
+            conf[key] = value
+    (exp / "config.yaml").write_text(yaml.safe_dump(conf))
 
 
 def _refusal(exp: Path, tmp_path: Path, match: str) -> None:
@@ -91,6 +102,86 @@ def test_refuses_token_list_mismatch(exp, tmp_path) -> None:
 def test_refuses_missing_backbone_config(exp, tmp_path) -> None:
     shutil.rmtree(exp / "backbone")
     _refusal(exp, tmp_path, r"backbone config for 'backbone' not found.*--backbone-config")
+
+
+# --- the layout values of config.yaml (engine/layout.py) -----------------------------------------
+
+
+def test_a_speaker_prompt_length_of_150_is_carried_and_lays_out_150_frames(exp, tmp_path) -> None:
+    from engine.dialogue import DialogueTurn, fit_context, response_prompt
+    from engine.prompt import random_frames
+
+    _edit_conf(exp, speaker_prompt_length=150)
+    report = convert_espnet(exp, tmp_path / "out")
+    assert "prompt layout: speaker_prompt_length 150, pad_speaker_prompt true" in report.notes
+    cfg = load_config(tmp_path / "out")
+    assert (cfg.speaker_prompt_length, cfg.pad_speaker_prompt) == (150, True)
+    # the prompt the engine builds from that config (engine/service.py passes cfg.prompt_layout)
+    rng = np.random.default_rng(0)
+    voice, user = random_frames(rng, 40), random_frames(rng, 12)
+    prompt = response_prompt([DialogueTurn(vocab.USER, user)], voice, layout=cfg.prompt_layout)
+    padded = np.concatenate([voice, np.full((110, 9), vocab.PAD, np.int64)])  # 150 frames
+    np.testing.assert_array_equal(prompt[:4, 0], [vocab.SOS_EOS, vocab.TASK_AUDIO_DIALOGUE, vocab.SYSTEM, vocab.SPEAKER])
+    np.testing.assert_array_equal(prompt[4 : 4 + 158], delay.interleave(padded))
+    np.testing.assert_array_equal(prompt[162:164, 0], [vocab.USER, vocab.CODEC_SSL])  # the user turn follows
+    assert len(prompt) == 2 + (2 + 150 + 8) + (2 + 12 + 8) + 2
+    fit = fit_context([], 12, 1 << 20, 10, 1.0, speaker_frames=40, layout=cfg.prompt_layout)
+    assert fit.prompt_rows == len(prompt)
+
+
+def test_pad_speaker_prompt_false_is_carried_and_a_missing_length_is_espnets_default(exp, tmp_path) -> None:
+    _edit_conf(exp, speaker_prompt_length=None, pad_speaker_prompt=False)
+    report = convert_espnet(exp, tmp_path / "out")
+    cfg = load_config(tmp_path / "out")
+    assert (cfg.speaker_prompt_length, cfg.pad_speaker_prompt) == (150, False)  # espnet2/tasks/speechlm.py default
+    assert "speaker_prompt_length not in config.yaml: ESPnet's default 150" in report.notes
+    assert cfg.prompt_layout.speaker_frames(np.zeros((40, 9), np.int64)).shape == (40, 9)  # not padded
+
+
+def test_a_missing_codec_token_in_use_means_every_stream(exp, tmp_path) -> None:
+    _edit_conf(exp, codec_token_in_use=None)  # the preprocessor: codec_token_per_frame
+    convert_espnet(exp, tmp_path / "out")
+    assert load_config(tmp_path / "out").num_streams == vocab.NUM_STREAMS
+
+
+@pytest.mark.parametrize("value", [5, 8, 10, "9"])
+def test_refuses_a_codec_token_in_use_the_engine_cannot_serve(exp, tmp_path, value) -> None:
+    _edit_conf(exp, codec_token_in_use=value)
+    _refusal(exp, tmp_path, rf"codec_token_in_use is {value!r}, the engine serves exactly 9 streams per frame")
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("speaker_prompt_length", 0, r"speaker_prompt_length must be >= 1, got 0"),
+    ("speaker_prompt_length", "long", r"speaker_prompt_length must be an int, got 'long'"),
+    ("pad_speaker_prompt", "sometimes", r"pad_speaker_prompt must be true or false"),
+    ("audio_modality", "codec", r"audio_modality 'codec' is not supported"),
+    ("encoder_decoder_format", True, r"encoder_decoder_format true is not supported"),
+])
+def test_refuses_layout_values_it_cannot_serve(exp, tmp_path, field, value, match) -> None:
+    _edit_conf(exp, **{field: value})
+    _refusal(exp, tmp_path, match)
+
+
+def test_cli_refuses_codec_token_in_use_naming_the_field(exp, tmp_path, capsys) -> None:
+    _edit_conf(exp, codec_token_in_use=5)
+    assert cli_main(["convert", "espnet", str(exp), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("duplex convert: error: ") and "codec_token_in_use is 5" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_written_before_the_layout_values_reads_the_defaults(tmp_path, tiny_model) -> None:
+    import json
+
+    d = json.loads((tiny_model / "config.json").read_text())
+    assert d["opuslm"]["speaker_prompt_length"] == 500 and d["opuslm"]["pad_speaker_prompt"] is True  # the tiny model's
+    for key in ("speaker_prompt_length", "pad_speaker_prompt"):
+        del d["opuslm"][key]
+    cfg = OpusLMConfig.from_hf_dict(d)
+    assert (cfg.speaker_prompt_length, cfg.pad_speaker_prompt, cfg.extra) == (500, True, {})
+    d["opuslm"]["speaker_prompt_length"] = 0
+    with pytest.raises(ValueError, match="speaker_prompt_length"):
+        OpusLMConfig.from_hf_dict(d)
 
 
 # --- CLI and outputs -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from engine.dialogue import (
     response_prompt,
     turn_rows,
 )
+from engine.layout import DEFAULT_LAYOUT, PromptLayout
 from engine.prompt import random_frames
 
 RNG = np.random.default_rng(0)
@@ -32,19 +33,26 @@ def exchanges(*lengths: tuple[int, int]) -> list[DialogueTurn]:
     return [t for u, a in lengths for t in (turn(vocab.USER, u), turn(vocab.ASSISTANT, a))]
 
 
-def prompt_len(turns: list[DialogueTurn], user_frames: int, speaker_frames: int = 0) -> int:
+def prompt_len(turns: list[DialogueTurn], user_frames: int, speaker_frames: int = 0,
+               layout: PromptLayout = DEFAULT_LAYOUT) -> int:
     speaker = random_frames(RNG, speaker_frames) if speaker_frames else None
-    return len(response_prompt([*turns, turn(vocab.USER, user_frames)], speaker))
+    return len(response_prompt([*turns, turn(vocab.USER, user_frames)], speaker, layout=layout))
+
+
+# the tiny model's layout, and ESPnet's default and an unpadded one (a converted checkpoint's config)
+LAYOUTS = st.sampled_from([DEFAULT_LAYOUT, PromptLayout(150), PromptLayout(150, pad_speaker_prompt=False)])
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3)), max_size=6), st.integers(0, 600), st.integers(0, 40))
-def test_row_counts_equal_the_built_prompt(shape, speaker_frames, user_frames) -> None:
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3)), max_size=6), st.integers(0, 600), st.integers(0, 40),
+       LAYOUTS)
+def test_row_counts_equal_the_built_prompt(shape, speaker_frames, user_frames, layout) -> None:
     turns = [turn(vocab.USER if i % 2 == 0 else vocab.ASSISTANT, n, text) for i, (n, text) in enumerate(shape)]
-    fit = fit_context(turns, user_frames, max_model_len=1 << 20, max_frames=10, retention_ratio=0.5, speaker_frames=speaker_frames)
+    fit = fit_context(turns, user_frames, max_model_len=1 << 20, max_frames=10, retention_ratio=0.5,
+                      speaker_frames=speaker_frames, layout=layout)
     assert fit.drop == 0 and fit.fits
-    assert fit.prompt_rows == prompt_len(turns, user_frames, speaker_frames)
-    assert sum(map(turn_rows, turns)) + head_rows(speaker_frames) + 2 + 10 + user_frames == fit.prompt_rows
+    assert fit.prompt_rows == prompt_len(turns, user_frames, speaker_frames, layout)
+    assert sum(map(turn_rows, turns)) + head_rows(speaker_frames, layout=layout) + 2 + 10 + user_frames == fit.prompt_rows
 
 
 def test_nothing_is_dropped_while_the_answer_fits() -> None:
@@ -92,6 +100,21 @@ def test_the_speaker_prompt_is_kept_and_counted() -> None:
     assert with_speaker.prompt_rows == prompt_len(turns[with_speaker.drop :], 40, speaker_frames=200)
     assert head_rows(900) == head_rows(500) == head_rows(1)  # the speaker prompt is cut or padded to 10 s
     assert head_rows(0) == 2
+
+
+def test_the_checkpoints_speaker_prompt_length_sizes_the_head_and_the_room() -> None:
+    espnet = PromptLayout(150)  # ESPnet's default speaker_prompt_length
+    assert head_rows(900, layout=espnet) == head_rows(1, layout=espnet) == 2 + 10 + 150
+    unpadded = PromptLayout(150, pad_speaker_prompt=False)
+    assert head_rows(40, layout=unpadded) == 2 + 10 + 40 and head_rows(900, layout=unpadded) == 2 + 10 + 150
+    assert head_rows(0, layout=espnet) == head_rows(0, layout=unpadded) == 2
+    # 350 fewer rows than the default layout's: an answer that needs drops at 500 frames fits at 150
+    turns = exchanges(*[(40, 60)] * 4)
+    limit = prompt_len(turns, 40, 200, espnet) + answer_rows(60)
+    at_150 = fit_context(turns, 40, limit, 60, 1.0, speaker_frames=200, layout=espnet)
+    at_500 = fit_context(turns, 40, limit, 60, 1.0, speaker_frames=200)
+    assert at_150.drop == 0 and at_150.fits and at_500.drop > 0
+    assert at_150.prompt_rows == prompt_len(turns, 40, 200, espnet)
 
 
 def test_a_history_that_does_not_start_an_exchange_is_cut_at_the_next_user_turn() -> None:

@@ -17,6 +17,7 @@ from engine.dialogue import (
     response_prompt,
     stable_user_prefix,
 )
+from engine.layout import DEFAULT_LAYOUT, PromptLayout
 from engine.prompt import random_frames, special_rows
 from engine.tasks import (
     INTER_SEGMENT_PAD,
@@ -200,10 +201,10 @@ def _turns(rng: np.random.Generator) -> tuple[list[DialogueTurn], np.ndarray]:
     return turns, random_frames(rng, 30)
 
 
-def _espnet_segments(turns: list[DialogueTurn], speaker: np.ndarray) -> list:
+def _espnet_segments(turns: list[DialogueTurn], speaker: np.ndarray, layout: PromptLayout = DEFAULT_LAYOUT) -> list:
     # egs2/TEMPLATE/asr1/pyscripts/utils/speechlm_dialogue_assemble.py (jctian98/espnet@25319702):
     # system codec_ssl (-> spk) first; a user turn is audio then text, an assistant turn text then audio.
-    segments = [speaker_segment(speaker, vocab.SYSTEM)]
+    segments = [speaker_segment(speaker, vocab.SYSTEM, layout)]
     for t in turns:
         audio = audio_segment(t.frames, t.role)
         text = [text_segment(t.text_ids, t.role)] if t.text_ids else []
@@ -220,6 +221,70 @@ def test_the_dialogue_prompt_is_espnets_whole_sequence_interleave(text_first: bo
     np.testing.assert_array_equal(ours, espnet.rows)
     np.testing.assert_array_equal(ours[-2:], [row(vocab.ASSISTANT), row(opener[1])])
     assert not espnet.continues_segment
+
+
+# --- the layout values of the checkpoint's config (engine/layout.py) -----------------------------
+# ESPnet's preprocessor (jctian98/espnet@72221036 SpeechLMPreprocessor.modality_specific_processing,
+# modality spk): longer than speaker_prompt_length -> cut to it; shorter -> padded to it with PAD in
+# every stream when pad_speaker_prompt, else kept at its own length.
+
+
+def _espnet_speaker(frames: np.ndarray, length: int, pad: bool) -> np.ndarray:
+    """The speaker prompt's undelayed rows, written out from ESPnet's rule (the first frames where it
+    takes a random window)."""
+    kept = frames[:length]
+    if pad and len(kept) < length:
+        kept = np.concatenate([kept, np.full((length - len(kept), 9), P, np.int64)])
+    return kept
+
+
+@pytest.mark.parametrize("length, pad, given", [(150, True, 2), (150, True, 400), (150, False, 40), (150, False, 400),
+                                                 (7, True, 3)])
+def test_tts_lays_out_the_checkpoints_speaker_prompt_length(length: int, pad: bool, given: int) -> None:
+    layout = PromptLayout(speaker_prompt_length=length, pad_speaker_prompt=pad)
+    voice = random_frames(np.random.default_rng(given), given)
+    p = tts_prompt([T0, T1], speaker_frames=voice, layout=layout)
+    head = [row(vocab.SOS_EOS), row(vocab.TASK_TTS), row(vocab.TEXT_BPE), row(T0), row(T1), *PAD_ROWS, row(vocab.SPEAKER)]
+    n, held = len(head), layout.speaker_rows(given)
+    assert held == (length if pad else min(given, length))
+    np.testing.assert_array_equal(p.rows[:n], head)
+    # the speaker segment: its held frames interleaved, with their 8-step tail; then the target opener
+    np.testing.assert_array_equal(p.rows[n : n + held + 8], delay.interleave(_espnet_speaker(voice, length, pad)))
+    np.testing.assert_array_equal(p.rows[n + held + 8 :], [row(vocab.CODEC_SSL)])
+    assert len(p.rows) == n + held + 8 + 1
+    if pad and given < length:  # the padding is PAD in all 9 streams once the voice's tail is out
+        assert (p.rows[n + given + 8 : n + held] == P).all()
+
+
+@pytest.mark.parametrize("layout", [PromptLayout(150), PromptLayout(150, pad_speaker_prompt=False), PromptLayout(20)])
+@pytest.mark.parametrize("text_first", [False, True])
+def test_the_dialogue_prompt_with_the_checkpoints_layout_is_espnets_interleave(layout: PromptLayout, text_first: bool) -> None:
+    turns, speaker = _turns(np.random.default_rng(8))  # a 30-frame voice: padded to 150, cut to 20
+    opener = [vocab.ASSISTANT, vocab.TEXT_BPE if text_first else vocab.CODEC_SSL]
+    espnet = interleaved(undelayed(vocab.TASK_AUDIO_DIALOGUE, _espnet_segments(turns, speaker, layout), opener), opener[1])
+    ours = response_prompt(turns, speaker, text_first=text_first, layout=layout)
+    np.testing.assert_array_equal(ours, espnet.rows)
+    held = layout.speaker_rows(len(speaker))
+    np.testing.assert_array_equal(ours[2:4], [row(vocab.SYSTEM), row(vocab.SPEAKER)])
+    np.testing.assert_array_equal(ours[4 : 4 + held + 8],
+                                  delay.interleave(_espnet_speaker(speaker, layout.speaker_prompt_length,
+                                                                   layout.pad_speaker_prompt)))
+    assert ours[4 + held + 8, 0] == vocab.USER  # the first turn right after the speaker segment
+    # the context arithmetic counts the same rows, and the stable prefix leads the prompt
+    history, user = turns[:-1], turns[-1]
+    prompt = response_prompt([*history, DialogueTurn(vocab.USER, user.frames)], speaker, layout=layout)
+    fit = fit_context(history, len(user.frames), 1 << 20, 10, 0.5, speaker_frames=len(speaker), layout=layout)
+    assert fit.prompt_rows == len(prompt)
+    prefix = stable_user_prefix(history, user.frames, speaker, layout=layout)
+    np.testing.assert_array_equal(prompt[: len(prefix)], prefix)
+
+
+def test_bad_layout_values_are_refused() -> None:
+    for bad in (0, -3, 1.5, "150", True):
+        with pytest.raises(ValueError, match="speaker_prompt_length"):
+            PromptLayout(speaker_prompt_length=bad)
+    with pytest.raises(ValueError, match="pad_speaker_prompt"):
+        PromptLayout(pad_speaker_prompt="yes")
 
 
 def test_the_default_opener_is_still_assistant_audio() -> None:
