@@ -21,6 +21,7 @@ import numpy as np
 
 from engine import tasks
 from engine.delay import FLUSH_STEPS
+from engine.layout import DEFAULT_LAYOUT, PromptLayout
 from engine.request import AudioRequest
 from engine.sampling import SamplingConfig
 from engine.service_api import FRAME_MS, AtCapacity, AudioChunk, EngineError, SpeechOptions, TranscriptionOptions
@@ -34,6 +35,7 @@ class OneShotHost(Protocol):
     ready: bool
     text_tokenizer: TextTokenizer | None
     max_model_len: int
+    prompt_layout: PromptLayout  # the checkpoint's (engine/layout.py)
 
     async def tokenize_clip(self, pcm: np.ndarray) -> np.ndarray: ...
 
@@ -71,9 +73,9 @@ def asr_request(frames: np.ndarray, options: TranscriptionOptions, max_model_len
 
 
 def tts_request(text_ids: list[int], speaker_frames: np.ndarray | None, options: SpeechOptions,
-                max_model_len: int) -> AudioRequest:
-    """The TTS request for text (global ids) and an optional voice's frames."""
-    prompt = tasks.tts_prompt(text_ids, speaker_frames)
+                max_model_len: int, layout: PromptLayout = DEFAULT_LAYOUT) -> AudioRequest:
+    """The TTS request for text (global ids) and an optional voice's frames, laid out as `layout` says."""
+    prompt = tasks.tts_prompt(text_ids, speaker_frames, layout)
     room = max_model_len - len(prompt.rows) - FLUSH_STEPS - _END_MARGIN
     if room < 1:
         raise EngineError(f"the text is too long for the model's context ({len(prompt.rows)} positions of {max_model_len})")
@@ -100,6 +102,7 @@ async def synthesize(engine: OneShotHost, text: str, options: SpeechOptions) -> 
     speaker = None
     if options.speaker_prompt_pcm is not None and len(options.speaker_prompt_pcm):
         speaker = await engine.tokenize_clip(np.asarray(options.speaker_prompt_pcm))
-    request = tts_request([int(i) for i in tokenizer.encode(text)], speaker, options, engine.max_model_len)
+    request = tts_request([int(i) for i in tokenizer.encode(text)], speaker, options, engine.max_model_len,
+                          engine.prompt_layout)
     async for chunk in engine.stream_audio(request, f"tts-{next(_ids)}"):
         yield chunk

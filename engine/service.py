@@ -32,11 +32,11 @@ import numpy as np
 
 from engine import guidance, vocab
 from engine.capacity import CapacityModel, LatenessFeedback
+from engine.checkpoint import load_config
 from engine.host_meter import HostMeter
 from engine.delay import MAX_DELAY, FrameAssembler
 from engine.dialogue import (
     SEGMENT_ROWS,
-    SPEAKER_PROMPT_FRAMES,
     ContextFit,
     DialogueTurn,
     MIN_ANSWER_FRAMES,
@@ -48,6 +48,7 @@ from engine.dialogue import (
     stable_user_prefix,
     turn_rows,
 )
+from engine.layout import DEFAULT_LAYOUT, PromptLayout
 from engine.modality import ModalitySplitter
 from engine.prompt import special_rows
 from engine.request import AudioRequest
@@ -205,6 +206,8 @@ class Response:
         self._transcript: asyncio.Queue = asyncio.Queue()  # the user turn's transcript deltas, then _END
         self.transcriber: asyncio.Task | None = None  # writes them (transcribe_user)
         self.text_ids: list[int] = []  # the answer's text so far (assistant_text)
+        # the system text this answer alone reads (respond(instructions=...)); None: the conversation's
+        self.system_ids: tuple[int, ...] | None = None
 
     async def user_transcript(self) -> AsyncIterator[str]:
         while True:
@@ -342,18 +345,28 @@ class Conversation:
         self._sampling = _sampling_config(options)
 
     def _tokenize_speaker(self, pcm: np.ndarray | None) -> asyncio.Future | None:
-        """The speaker prompt's frames (at most dialogue.SPEAKER_PROMPT_FRAMES), tokenized off the loop."""
+        """The speaker prompt's frames (at most the checkpoint's speaker_prompt_length), tokenized off the loop."""
         if pcm is None:
             return None
         pcm = _as_float_pcm(pcm, "the speaker prompt")
         if pcm.size == 0:
             return None
-        pcm = pcm[: SPEAKER_PROMPT_FRAMES * SAMPLES_PER_FRAME]
+        pcm = pcm[: self._engine.prompt_layout.speaker_prompt_length * SAMPLES_PER_FRAME]
         return self._engine.tokenize(self._engine.new_tokenizer_state(), pcm, finish=True)
 
-    def _head(self) -> dict:
-        """What precedes the first turn, as the dialogue functions take it: the voice and the system text."""
-        return {"speaker_frames": self._speaker_frames(), "system_ids": self._system_ids}
+    def _head(self, system_ids: tuple[int, ...] | None = None) -> dict:
+        """What precedes the first turn, as the dialogue functions take it: the voice and the system text
+        (`system_ids`: one answer's own; None: the conversation's)."""
+        return {"speaker_frames": self._speaker_frames(), "system_ids": self._system_ids if system_ids is None else system_ids,
+                "layout": self._engine.prompt_layout}
+
+    def _answer_system_ids(self, instructions: str | None) -> tuple[int, ...] | None:
+        """One answer's own system text (respond(instructions=...)), or None when it reads the conversation's:
+        none given, the same ids, or a model without text (which ignores them, logged as the session's are)."""
+        if instructions is None:
+            return None
+        ids = self._engine.system_ids(instructions)  # () without text: the conversation's are () too
+        return None if ids == self._system_ids else ids
 
     def _speaker_frames(self) -> np.ndarray | None:
         """The tokenized speaker prompt, or None (none given, or not tokenized yet)."""
@@ -433,8 +446,12 @@ class Conversation:
 
     # --- the answer --------------------------------------------------------------------------
 
-    def respond(self, response_id: str, speculative: bool = False) -> Response:
+    def respond(self, response_id: str, speculative: bool = False, instructions: str | None = None) -> Response:
         """Answer the user's turn: a handle whose `chunks()` yields the audio, in order.
+
+        `instructions`: this answer's own system text (service_api). Its prompt has that text in the
+        system segment; the history it leaves has the conversation's, and once it ended the history is
+        prefilled in that layout (`_prefill_history`), so the next answer's prompt hits the cache.
 
         `speculative`: the user may not be done. The answer runs on a fork of the turn (its tokenizer
         state copied, then flushed), the turn itself stays open, and until `confirm()` or `discard()`
@@ -445,6 +462,7 @@ class Conversation:
         if prev is not None and not prev.cancelled:
             raise ResponseInProgress(f"conversation {self.id} is already responding ({prev.id})")
         response = Response(response_id)
+        response.system_ids = self._answer_system_ids(instructions)
         if speculative and (self._user is None or self._user.done is None):
             open_turn = self._user or _UserTurn(tokenizer_state=self._engine.new_tokenizer_state())
             user = self._fork_ended(open_turn)
@@ -504,12 +522,12 @@ class Conversation:
                 await asyncio.wait([prev.task])  # its turn must be in the history before ours
             failure = await self._tokenized(user)
             user_turn = DialogueTurn(vocab.USER, user.all_frames(), list(user.text_ids))
-            fit = self._fit(turn_rows(user_turn) - SEGMENT_ROWS, at_least=user.drop)
+            fit = self._fit(turn_rows(user_turn) - SEGMENT_ROWS, at_least=user.drop, system_ids=response.system_ids)
             if response.speculation is not None:
                 spec = response.speculation
                 spec.history = (list(self._turns), list(self._exchanges), self.history_dropped)
                 # the user segment starts after the kept history and its two marker rows
-                first = len(history_rows(self._turns[fit.drop :], **self._head())) + 2
+                first = len(history_rows(self._turns[fit.drop :], **self._head(response.system_ids))) + 2
                 spec.flushed_rows = (first + user.flushed_from, first + user.num_frames)
             self._drop_turns(fit.drop, response)
             # one exchange per response, whatever happens to it (service_api: the gateway counts on it)
@@ -541,7 +559,7 @@ class Conversation:
 
     async def _answer(self, response: Response, fit: ContextFit) -> None:
         """The answer's generation: its text first (assistant_text), then its audio (output_audio)."""
-        head, opts = self._head(), self._options
+        head, opts = self._head(response.system_ids), self._options
         salt = self._salt_at(self.history_dropped)
         if opts.assistant_text:
             self.last_prompt = response_prompt(self._turns, text_first=True, **head)
@@ -603,13 +621,16 @@ class Conversation:
     def _max_frames(self) -> int:
         return max(1, int(self._options.max_response_ms / FRAME_MS))
 
-    def _fit(self, user_frames: int, at_least: int = 0) -> ContextFit:
-        """Which leading turns the prompt for a user turn of `user_frames` drops, and its answer's cap."""
+    def _fit(self, user_frames: int, at_least: int = 0, system_ids: tuple[int, ...] | None = None) -> ContextFit:
+        """Which leading turns the prompt for a user turn of `user_frames` drops, and its answer's cap
+        (`system_ids`: the answer's own system text; None: the conversation's)."""
         speaker = self._speaker_frames()
         text = self._options.max_text_tokens if self._options.assistant_text else 0
+        system = self._system_ids if system_ids is None else system_ids
         return fit_context(self._turns, user_frames, self._engine.max_model_len, self._max_frames(),
                            self._options.retention_ratio, speaker_frames=0 if speaker is None else len(speaker),
-                           at_least=at_least, max_text_tokens=text, system_tokens=len(self._system_ids))
+                           at_least=at_least, max_text_tokens=text, system_tokens=len(system),
+                           layout=self._engine.prompt_layout)
 
     def _salt_at(self, first_turn: int) -> str:
         """The prefix-cache salt of prompts whose history starts at the conversation's turn `first_turn`.
@@ -663,6 +684,23 @@ class Conversation:
         response.deliver(_END)
         if self._response is response:
             self._response = None
+            if response.system_ids is not None and response.speculation is None and not response.discarded:
+                self._prefill_history()
+
+    def _prefill_history(self) -> None:
+        """After an answer that read its own instructions: the history, laid out with the conversation's
+        system text, into the prefix cache. That answer's prompt had another system segment, so none of
+        the history's blocks past the speaker prompt are cached; without this the next answer would
+        prefill it all (unless the user speaks long enough for the incremental prefill to do it)."""
+        conf = self._engine.config
+        if self._closed or not conf.incremental_prefill or guidance.uses_cfg(self._options.cfg_scale):
+            return  # (CFG pairs do not read the prefix cache)
+        if self._prefill_task is not None and not self._prefill_task.done():
+            return
+        if self._speaker is not None and not self._speaker.done():
+            return  # a new voice, still being tokenized: the history's layout is not known yet
+        prompt = history_rows(self._turns, **self._head())
+        self._prefill_task = asyncio.ensure_future(self._engine.prefill(prompt, self._salt_at(self.history_dropped), self.rank))
 
     def truncate(self, response_id: str, played_ms: float) -> None:
         """The client played only `played_ms` of an answer still in the history (the latest may still
@@ -716,6 +754,8 @@ class Conversation:
             self._response.cancel(float("inf"))
         if self._last is not None and self._last.transcriber is not None:
             self._last.transcriber.cancel()
+        if self._prefill_task is not None:  # KV for a prompt no answer will read (vLLM aborts the request)
+            self._prefill_task.cancel()
         self._closed = True
         self._engine.forget(self.id)
 
@@ -757,6 +797,7 @@ class Engine:
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.model_dir: Path | None = None
         self.text_tokenizer: TextTokenizer | None = None  # None: the model reads and writes no text
+        self.prompt_layout: PromptLayout = DEFAULT_LAYOUT  # the checkpoint's (engine/layout.py), read at start
 
     @classmethod
     async def start(cls, config: EngineServiceConfig | None = None) -> "Engine":
@@ -779,6 +820,7 @@ class Engine:
         # a hub id may download: off the loop
         model = await loop.run_in_executor(None, resolve_model, cfg.model) if cfg.model else await loop.run_in_executor(None, ensure_tiny)
         self.model_dir = model
+        self.prompt_layout = load_config(model).prompt_layout  # the speaker prompt's length, as trained
 
         def load_audio():
             import torch

@@ -9,6 +9,7 @@ The gateway (realtime/) imports this module and nothing else from engine/ at imp
     conv.push_user_audio(pcm_16k)                        # tokenized + prefilled while the user talks
     conv.end_user_turn()
     handle = conv.respond(response_id)                   # the gateway's id is the engine's request id
+    handle = conv.respond(response_id, instructions="Greet the user.")  # this answer's own system text
     handle = conv.respond(response_id, speculative=True) # before the turn is sure to have ended:
     handle.confirm() / handle.discard()                  #   it stands / it never happened, the turn goes on
     async for chunk in handle.chunks(): ...              # AudioChunk, in order, until is_last
@@ -227,10 +228,17 @@ class Conversation(Protocol):
 
     def end_user_turn(self) -> None: ...
 
-    def respond(self, response_id: str, speculative: bool = False) -> ResponseHandle:
-        """Answer the user's turn (ending it if it is still open). Returns at once; generation starts
-        when the previous response, if cancelled and still winding down, has ended. Raises
-        `ResponseInProgress` while another response is generating and not cancelled.
+    def respond(self, response_id: str, speculative: bool = False, instructions: str | None = None) -> ResponseHandle:
+        """Answer the user's turn (ending it if it is still open; with no user turn since the last
+        answer, or none at all, an empty one: the model speaks first, e.g. a greeting). Returns at once;
+        generation starts when the previous response, if cancelled and still winding down, has ended.
+        Raises `ResponseInProgress` while another response is generating and not cancelled.
+
+        `instructions`: the system text the model reads for this answer alone, in place of
+        `ConversationOptions.system_prompt` (None: the session's). The history, and the answers after
+        this one, keep the session's. A prompt with another system text is a prefix the cache does not
+        hold past the speaker prompt, so this answer prefills the whole history (engine/README.md,
+        "Per-response instructions"). A model without text ignores them, as it does the session's (logged).
 
         `speculative` (the turn is open: the user paused, the VAD has not decided): answer the turn as
         it is now while keeping it open, so that `handle.discard()` can take the answer back and the

@@ -251,6 +251,45 @@ def test_a_speaker_prompt_leads_the_prompt_conditions_the_answer_and_can_be_drop
     np.testing.assert_array_equal(second[len(head) : len(head) + 1], special_rows(vocab.USER, vocab.CODEC_SSL)[:1])
 
 
+def test_the_engine_lays_out_the_checkpoints_speaker_prompt_length(loop_thread, tiny_model, tmp_path) -> None:
+    """A checkpoint converted from a config with speaker_prompt_length 150 (config.json's opuslm block, as
+    engine/convert/espnet.py writes it): the conversation's prompt holds a 150-frame speaker segment."""
+    import json
+    import shutil
+
+    from engine.dialogue import speaker_segment
+    from engine.layout import PromptLayout
+    from engine.prompt import special_rows
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["opuslm"]["speaker_prompt_length"] = 150
+    (model / "config.json").write_text(json.dumps(config))
+    voice = speech(4.0, seed=21)  # 200 frames: cut to 150
+
+    async def run():
+        eng = await Engine.start(EngineServiceConfig(model=str(model), capacity_override=1, warmup=False))
+        try:
+            conv = eng.open_conversation("layout", ConversationOptions(speaker_prompt_pcm=voice, temperature=0.0,
+                                                                       max_response_ms=200.0))
+            await talk(conv, speech(0.5, seed=22), realtime=False)
+            await answer(conv)
+            prompt = conv.last_prompt
+            await conv.close()
+            return eng.prompt_layout, prompt, await eng.tokenize_clip(voice[: 150 * 320])
+        finally:
+            await eng.shutdown()
+
+    layout, prompt, frames = loop_thread.run(run())
+    assert layout == PromptLayout(150)
+    assert len(frames) == 150
+    head = np.concatenate([special_rows(vocab.SOS_EOS, vocab.TASK_AUDIO_DIALOGUE), speaker_segment(frames, layout)])
+    assert len(head) == 2 + 2 + 150 + 8
+    np.testing.assert_array_equal(prompt[: len(head)], head)
+    np.testing.assert_array_equal(prompt[len(head) : len(head) + 2, 0], [vocab.USER, vocab.CODEC_SSL])
+
+
 def test_the_cpu_engine_leaves_the_codec_a_core(engine, loop_thread) -> None:
     import os
 

@@ -51,8 +51,8 @@ def text_request(prompt: np.ndarray, max_text: int) -> AudioRequest:
                         min_text_tokens=1, sampling=GREEDY)
 
 
-async def answer(conv, rid: str):
-    handle = conv.respond(rid)
+async def answer(conv, rid: str, instructions: str | None = None):
+    handle = conv.respond(rid, instructions=instructions)
     chunks, transcript = await asyncio.gather(
         _collect(handle.chunks()), _collect(handle.user_transcript()))
     return chunks, transcript
@@ -159,3 +159,64 @@ def test_text_options_need_a_text_model_and_make_sense(engine, loop_thread) -> N
         loop_thread.run(conv.close())
     finally:
         engine.text_tokenizer = tokenizer
+
+
+def _system_head(ids: list[int]) -> np.ndarray:
+    return np.concatenate([special_rows(vocab.SOS_EOS, vocab.TASK_AUDIO_DIALOGUE, vocab.SYSTEM, vocab.TEXT_BPE, *ids),
+                           special_rows(*[vocab.PAD] * 8)])
+
+
+def test_an_answer_with_its_own_instructions_reads_them_alone_and_the_next_is_back_on_the_sessions(engine, loop_thread, tok) -> None:
+    session, greeting = "Be brief and kind.", "Greet the user warmly and offer your help."
+    opts = ConversationOptions(temperature=0.0, max_response_ms=300.0, system_prompt=session)
+
+    async def run():
+        # LiveKit's quickstart: generate_reply(instructions=...) on an empty conversation (no user turn)
+        conv = engine.open_conversation("own_instructions", opts)
+        greeted, _ = await answer(conv, "g1", instructions=greeting)
+        greet_prompt, turns, history_next = conv.last_prompt, list(conv._turns), conv.next_prompt()
+        await conv._prefill_task  # the history, in the session's layout, into the prefix cache
+        conv.add_user_text("Hello there.")  # a typed turn: no incremental prefill, so a cache hit is the history's
+        await answer(conv, "r2")
+        second, cached = conv.last_prompt, conv.cached_tokens_last_response
+        await conv.close()
+        # the same answer from a conversation whose session instructions are the greeting's
+        same = engine.open_conversation("session_greeting", ConversationOptions(temperature=0.0, max_response_ms=300.0,
+                                                                                system_prompt=greeting))
+        greeted_too, _ = await answer(same, "g2")
+        turns_too = list(same._turns)
+        await same.close()
+        return greeted, greet_prompt, turns, history_next, second, cached, greeted_too, turns_too
+
+    greeted, greet_prompt, (user, said), history_next, second, cached, greeted_too, (_, said_too) = loop_thread.run(run())
+    session_ids, greeting_ids = [int(i) for i in tok.encode(session)], [int(i) for i in tok.encode(greeting)]
+    assert len(user.frames) == 0 and not user.text_ids  # a greeting answers an empty user turn
+    assert greeted[-1].is_last and sum(len(c.pcm) for c in greeted) == len(said.frames) * vocab.HOP_SAMPLES > 0
+    # the greeting read its own system text, in the session's place, and answered as a session with it would
+    np.testing.assert_array_equal(greet_prompt, response_prompt([user], system_ids=greeting_ids))
+    np.testing.assert_array_equal(said.frames, said_too.frames)
+    assert sum(len(c.pcm) for c in greeted_too) == sum(len(c.pcm) for c in greeted)
+    # the history keeps the session's: the next prompt, and the next answer's, have it and not the greeting's
+    np.testing.assert_array_equal(history_next[: len(_system_head(session_ids))], _system_head(session_ids))
+    kept = history_rows([user, said], system_ids=session_ids)
+    np.testing.assert_array_equal(second[: len(kept)], kept)
+    assert bytes(special_rows(*greeting_ids)) not in bytes(second)
+    # ... whose KV the prefill after the greeting left in the cache (a typed turn prefills nothing while it is typed)
+    assert cached >= (len(kept) // 32) * 32 > 0
+
+
+def test_a_model_without_text_ignores_an_answers_instructions_as_the_sessions(engine, loop_thread) -> None:
+    tokenizer, engine.text_tokenizer = engine.text_tokenizer, None
+    try:
+        async def run():
+            conv = engine.open_conversation("own_instructions_no_text", ConversationOptions(temperature=0.0, max_response_ms=200.0))
+            chunks, _ = await answer(conv, "n1", instructions="Greet the user.")
+            prompt, turns = conv.last_prompt, list(conv._turns)
+            await conv.close()
+            return chunks, prompt, turns
+
+        chunks, prompt, (user, _) = loop_thread.run(run())
+    finally:
+        engine.text_tokenizer = tokenizer
+    assert chunks[-1].is_last
+    np.testing.assert_array_equal(prompt, response_prompt([user]))  # no system segment: read nothing, refused nothing
