@@ -4,9 +4,12 @@ client creates.
 An item here is either in the engine's history (a user's turn, in audio or typed text with a model
 that reads text; an assistant's answer: `in_engine`; deleting one goes through the session to the
 engine, and the engine drops the oldest to fit its context: `forget` either way) or held only here
-(system messages, assistant text a client adds). System messages' text becomes part of the
-session's instructions. Assistant text a client adds is kept and shown back, but not given to the
-model: the engine takes user turns only (docs/protocol.md documents this limitation).
+(system messages, assistant text a client adds, function calls and their outputs). System messages'
+text becomes part of the session's instructions. Assistant text a client adds is kept and shown back,
+but not given to the model: the engine takes user turns only (docs/protocol.md documents this
+limitation). So are `function_call` / `function_call_output` items: an agent framework that answers
+a call (or replays its history) gets them back as OpenAI's server echoes them; OpusLM, which calls no
+tool (realtime/tools.py), never reads them.
 """
 
 from __future__ import annotations
@@ -35,12 +38,16 @@ _PARTS = {
 @dataclass
 class Item:
     id: str
-    role: str
+    role: str  # a message's; "" for function_call / function_call_output items
     content: list = field(default_factory=list)
     in_engine: bool = False  # its audio is in the engine's history (deleted through the session)
     status: str = "completed"
+    type: str = "message"  # or "function_call" / "function_call_output" (held here only)
+    fields: dict = field(default_factory=dict)  # a function item's own: call_id, name, arguments / call_id, output
 
     def wire(self) -> dict:
+        if self.type != "message":
+            return {"id": self.id, "object": "realtime.item", "type": self.type, "status": self.status, **self.fields}
         return {"id": self.id, "object": "realtime.item", "type": "message", "status": self.status, "role": self.role,
                 "content": [dict(c) for c in self.content]}
 
@@ -75,14 +82,15 @@ class ConversationItems:
     def __contains__(self, item_id: str) -> bool:
         return item_id in self._items
 
-    def get(self, item_id: str) -> Item:
+    def get(self, item_id: str, code: str = "item_retrieve_invalid_item_id") -> Item:
+        """`code`: OpenAI's for the event that asked (item_retrieve_invalid_item_id, item_delete_invalid_item_id)."""
         if item_id not in self._items:
-            raise ClientError("item_not_found", f"no item {item_id!r} in this conversation", "item_id")
+            raise ClientError(code, f"no item {item_id!r} in this conversation", "item_id")
         return self._items[item_id]
 
     def delete(self, item_id: str) -> Item:
-        """An item held only here (text, system): gone at once. (`in_engine` items: the session's.)"""
-        self.get(item_id)
+        """An item held only here (text, system, function items): gone at once. (`in_engine` items: the session's.)"""
+        self.get(item_id, "item_delete_invalid_item_id")
         return self._items.pop(item_id)
 
     def forget(self, item_id: str) -> None:
@@ -100,14 +108,16 @@ def parse_new_item(ev: dict, input_format: WireFormat, new_id, text: bool = Fals
     p = "item."
     raw = get_field(ev, "item", dict, required=True)
     kind = get_field(raw, "type", str, prefix=p) or "message"
-    if kind != "message":
-        raise unsupported("item.type", f"{kind!r} items: OpusLM has no function calling (only 'message' items)")
-    role = get_field(raw, "role", str, required=True, prefix=p)
-    if role not in _PARTS:
-        raise ClientError("invalid_value", "'item.role' must be user, assistant or system", "item.role")
+    if kind not in ("message", *_FUNCTION_FIELDS):
+        raise ClientError("invalid_value", f"'item.type' must be message, {', '.join(_FUNCTION_FIELDS)}; got {kind!r}", "item.type")
     item_id = get_field(raw, "id", str, prefix=p) or new_id("item")
     if not 1 <= len(item_id) <= 64:
         raise ClientError("invalid_value", "'item.id' must be 1 to 64 characters", "item.id")
+    if kind != "message":
+        return NewItem(_function_item(raw, kind, item_id), None, get_field(ev, "previous_item_id", str))
+    role = get_field(raw, "role", str, required=True, prefix=p)
+    if role not in _PARTS:
+        raise ClientError("invalid_value", "'item.role' must be user, assistant or system", "item.role")
     content = get_field(raw, "content", list, required=True, prefix=p)
     parts, audio, typed = [], [], []
     for i, part in enumerate(content):
@@ -139,6 +149,22 @@ def parse_new_item(ev: dict, input_format: WireFormat, new_id, text: bool = Fals
     prev = get_field(ev, "previous_item_id", str)
     user_text = "\n".join(typed)
     return NewItem(Item(item_id, role, parts, in_engine=pcm is not None or bool(user_text)), pcm, prev, user_text)
+
+
+# a function item's fields as OpenAI echoes them: (name, required)
+_FUNCTION_FIELDS = {"function_call": (("call_id", False), ("name", True), ("arguments", True)),
+                    "function_call_output": (("call_id", True), ("output", True))}
+
+
+def _function_item(raw: dict, kind: str, item_id: str) -> Item:
+    """A function_call / function_call_output item: kept and echoed, never given to the model."""
+    fields = {}
+    for name, required in _FUNCTION_FIELDS[kind]:
+        value = get_field(raw, name, str, required=required, prefix="item.")
+        if value is not None and len(value) > MAX_TEXT_CHARS:
+            raise ClientError("invalid_value", f"'item.{name}' is longer than {MAX_TEXT_CHARS} characters", f"item.{name}")
+        fields[name] = value
+    return Item(item_id, "", type=kind, fields=fields)
 
 
 def _decode_audio(b64: str | None, fmt: WireFormat, param: str) -> np.ndarray | None:

@@ -41,6 +41,7 @@ from realtime.http import (MAX_BODY, BodyConnection, BodyLimit, HttpReply, HttpR
                            respond, static_file)
 from realtime.http_stream import HttpStream, send_stream, wait_lost
 from realtime.metrics import CONTENT_TYPE, GatewayMetrics
+from realtime.tracing import TRACER_NAME, provider_from_env
 from realtime.transports import audio_api, twilio, webrtc, websocket
 from realtime.transports.context import TransportContext
 from realtime.vad_batch import VadBatcher
@@ -54,8 +55,11 @@ TRANSPORTS = (websocket, webrtc, twilio, audio_api)  # a new transport is one ne
 class Gateway:
     """One server: the engine, the sessions, the metrics. `await start()`, `await stop()`."""
 
-    def __init__(self, engine: EngineLike, config: ServerConfig, token: str | None = None, voices: dict | None = None) -> None:
-        """`voices`: `config.session.voices` already loaded (`load_voices`), else they are loaded here."""
+    def __init__(self, engine: EngineLike, config: ServerConfig, token: str | None = None, voices: dict | None = None,
+                 tracer_provider=None) -> None:
+        """`voices`: `config.session.voices` already loaded (`load_voices`), else they are loaded here.
+        `tracer_provider`: an OpenTelemetry TracerProvider for the sessions' spans (the caller's to shut
+        down), else one from the OTEL_* environment, or none when it configures no exporter."""
         self.engine = engine
         if config.session.assistant_text and not engine.supports_text:
             # every session would be refused by the engine (NoTextModel): serve audio answers without text instead
@@ -66,7 +70,10 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.voices = load_voices(config.session.voices) if voices is None else voices  # name -> 16 kHz PCM
         self.vad = VadBatcher(config.audio.vad_batch_ms) if config.audio.vad_batch_ms > 0 else None
-        self.admission = Admission(engine, config, self.metrics, self.vad)
+        self._own_tracer_provider = tracer_provider is None
+        self.tracer_provider = provider_from_env() if tracer_provider is None else tracer_provider
+        tracer = None if self.tracer_provider is None else self.tracer_provider.get_tracer(TRACER_NAME)
+        self.admission = Admission(engine, config, self.metrics, self.vad, tracer)
         self.routes = Routes()
         self._server = None
         self._cleanup: list[Callable[[], Awaitable[None]]] = []  # transports' resources, closed at stop()
@@ -118,6 +125,8 @@ class Gateway:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        if self._own_tracer_provider and self.tracer_provider is not None:
+            await asyncio.to_thread(self.tracer_provider.shutdown)  # exports the spans still batched (blocking I/O)
 
     async def drain(self) -> bool:
         """The first half of a graceful stop (SIGTERM; `stop()` is the second): /healthz says `draining`

@@ -15,7 +15,9 @@ other, its held audio first; if the user speaks again first, it is discarded (th
 back) and the turn goes on. The user's turn as the engine hears it ends at the pause either way: the
 rest of the end-of-turn silence is held, and pushed only if the turn goes on.
 
-Audio in and out is mono int16 at 16 kHz (the engine's rate); transports convert at the edge.
+Audio in and out is mono int16 at 16 kHz (the engine's rate); transports convert at the edge. With
+`noise_reduction` on, user audio passes the session's noise suppressor first, so the VAD and the
+engine both get the suppressed audio (realtime/noise_suppression.py).
 Output audio is released by `poll_audio(now)` on the pacer's absolute schedule, so the session knows
 what was sent and, from acknowledgements or the schedule, what was played (the playback cursor).
 
@@ -34,11 +36,20 @@ import numpy as np
 
 from engine.service_api import SAMPLE_RATE_HZ, Role
 
+from realtime.noise_suppression import NoiseSuppressor
 from realtime.pacing import Pacer
 from realtime.user_transcript import InputTranscriptDelta, InputTranscriptDone, InputTranscriptFailed, UserTranscript
 from realtime.vad import ServerVad, SileroVad, VadParams, run_silero
 
 RATE_HZ = SAMPLE_RATE_HZ  # the engine-side rate: user audio in, the answer out
+
+
+# OpenAI's wording where clients match on it (docs/protocol.md, "Errors"): LiveKit ignores an error
+# whose message starts "Cancellation failed", Pipecat's xAI client and others look for "no active
+# response" / "already has an active response" / "buffer too small".
+NO_ACTIVE_RESPONSE = "Cancellation failed: no active response found"
+ACTIVE_RESPONSE = "Conversation already has an active response in progress:"
+COMMIT_EMPTY = "Error committing input audio buffer: buffer too small"
 
 
 class SessionError(Exception):
@@ -186,6 +197,8 @@ class StartResponse:
     response_id: str
     speculative: bool = False  # the user's turn is still open: the engine forks it (conv.respond(speculative=True))
     output_modalities: tuple[str, ...] | None = None  # response.create's for this answer (the engine's options for it); None: the session's
+    instructions: str | None = None  # response.create's: the system text of this answer alone (conv.respond's); None: the session's
+    max_output_tokens: int | str | None = None  # response.create's bound for this answer (its engine options); None: the session's
 
 
 @dataclass(frozen=True)
@@ -290,10 +303,13 @@ def new_id(prefix: str) -> str:
 
 class Session:
     def __init__(self, session_id: str | None = None, vad: VadParams | None = VadParams(), limits: SessionLimits | None = None,
-                 vad_deferred: bool = False) -> None:
+                 vad_deferred: bool = False, noise_reduction: str | None = None) -> None:
         """`vad_deferred`: user audio waits for its speech probabilities until `settle_vad()` (the shell
-        runs many sessions' VAD windows as one batch, then settles each); else they are computed at once."""
+        runs many sessions' VAD windows as one batch, then settles each); else they are computed at once.
+        `noise_reduction`: "near_field" / "far_field" (realtime/noise_suppression.py) or None (off)."""
         self.id = session_id or new_id("sess")
+        self._denoiser: NoiseSuppressor | None = None  # user audio passes it before the VAD and the engine
+        self.set_noise_reduction(noise_reduction)
         self.vad_deferred = vad_deferred
         self._awaiting_vad: list[tuple[np.ndarray, float]] = []  # (pcm, arrival time), in order
         self.limits = limits or SessionLimits()
@@ -390,11 +406,24 @@ class Session:
         else:
             self._vad.params = vad
 
+    def set_noise_reduction(self, mode: str | None) -> None:
+        """Suppress noise in the user audio from now on ("near_field" / "far_field"), or stop (None).
+        A new type starts a fresh suppressor; the few samples the old one held are dropped (< 10 ms)."""
+        if mode != (self._denoiser.mode if self._denoiser else None):
+            self._denoiser = None if mode is None else NoiseSuppressor(mode)
+
+    @property
+    def noise_reduction(self) -> str | None:
+        return None if self._denoiser is None else self._denoiser.mode
+
     # ---- user audio ----
     def receive_audio(self, pcm: np.ndarray, now: float, client_frame: bool = True) -> None:
         """User audio (int16, 16 kHz); `client_frame=False`: audio that is not one of the client's frames
-        (a resampler's tail), not counted in `stats.input_frames`."""
+        (a resampler's tail), not counted in `stats.input_frames`. With noise reduction on, what the VAD
+        and the engine get is the suppressor's output (whole 10 ms frames: up to 10 ms waits for the next call)."""
         self.stats.input_frames += client_frame
+        if self._denoiser is not None:
+            pcm = self._denoiser.process(pcm)
         if pcm.size == 0:
             return
         if self._vad is None:
@@ -453,14 +482,18 @@ class Session:
             self._commit(now)
             return
         if self._vad is None:
+            if self._denoiser is not None and (tail := self._denoiser.flush()).size:  # the turn's last few ms
+                self._turn.append(tail)
+                self._turn_samples += tail.size
+                self._input_samples += tail.size
             if self._turn_samples == 0:
-                raise SessionError("input_audio_buffer_commit_empty", "the input audio buffer is empty")
+                raise SessionError("input_audio_buffer_commit_empty", f"{COMMIT_EMPTY}: the input audio buffer is empty")
             self._user_item = new_id("item")
             self._push(np.concatenate(self._turn))
             self._turn, self._turn_samples = [], 0
             self._commit(now)
             return
-        raise SessionError("input_audio_buffer_commit_empty", "no speech in the input buffer to commit (server_vad commits turns itself)")
+        raise SessionError("input_audio_buffer_commit_empty", f"{COMMIT_EMPTY}: no speech in it to commit (server_vad commits turns itself)")
 
     def receive_clear(self) -> None:
         self.settle_vad()
@@ -469,6 +502,8 @@ class Session:
         self._turn, self._turn_samples = [], 0
         self._recent.clear()
         self._recent_samples = 0
+        if self._denoiser is not None:
+            self._denoiser.drop_held()
         if self._vad is not None:
             self._vad.reset(self.input_ms)
             self._silero.reset()
@@ -579,7 +614,7 @@ class Session:
         self.settle_vad()
         if self.response is not None and not self.response.status.finished:
             raise SessionError("conversation_already_has_active_response",
-                               f"response {self.response.id} is in progress: add the item when it is done", "item")
+                               f"{ACTIVE_RESPONSE} {self.response.id}. Add the item when it is done", "item")
         if self._pushed_samples or (self._vad is not None and self._vad.speaking):
             raise SessionError("user_turn_in_progress", "the user is speaking: add the item once the turn is committed", "item")
         if pcm is not None and pcm.size:
@@ -591,14 +626,17 @@ class Session:
         self._events.append(UserItemAdded(item_id, self._last_item))
         self._last_item = item_id
 
-    def receive_response_create(self, now: float, metadata: dict | None = None, output_modalities: tuple[str, ...] | None = None) -> str:
+    def receive_response_create(self, now: float, metadata: dict | None = None, output_modalities: tuple[str, ...] | None = None,
+                                instructions: str | None = None, max_output_tokens: int | str | None = None) -> str:
         self.settle_vad()
         if self.response is not None and not self.response.status.finished:
-            raise SessionError("conversation_already_has_active_response", f"response {self.response.id} is still in progress")
+            raise SessionError("conversation_already_has_active_response", f"{ACTIVE_RESPONSE} {self.response.id}. "
+                                                                           "Wait until the response is finished before creating a new one")
         self.discard_speculation()  # the client asks for an answer now, to the turn as it stands
         r = Response(id=new_id("resp"), item_id=new_id("item"), epoch=self._epoch, metadata=metadata,
                      output_modalities=output_modalities)
-        self._commands.append(StartResponse(r.id, output_modalities=output_modalities))
+        self._commands.append(StartResponse(r.id, output_modalities=output_modalities, instructions=instructions,
+                                            max_output_tokens=max_output_tokens))
         self._begin(r)
         return r.id
 
@@ -625,9 +663,9 @@ class Session:
     def receive_response_cancel(self, now: float, response_id: str | None = None) -> None:
         r = self.response
         if r is None or r.status.finished:
-            raise SessionError("response_cancel_not_active", "there is no response in progress to cancel")
+            raise SessionError("response_cancel_not_active", NO_ACTIVE_RESPONSE)
         if response_id is not None and response_id != r.id:
-            raise SessionError("response_cancel_not_active", f"response {response_id} is not in progress", "response_id")
+            raise SessionError("response_cancel_not_active", f"{NO_ACTIVE_RESPONSE} with id {response_id!r}", "response_id")
         self._interrupt("client_cancelled", now)
 
     def receive_output_clear(self, now: float) -> None:
@@ -770,10 +808,11 @@ class Session:
         """conversation.item.truncate: any assistant item still in the history keeps `audio_end_ms`."""
         r = None if item_id in self._deleted_items else self._assistant_items.get(item_id)
         if r is None:
-            raise SessionError("item_not_found", f"no assistant item {item_id!r} in this conversation", "item_id")
+            raise SessionError("item_truncate_invalid_item_id", f"no assistant item {item_id!r} in this conversation to truncate", "item_id")
         sent_ms = 1000.0 * r.sent_samples / RATE_HZ
         if audio_end_ms < 0 or audio_end_ms > sent_ms + 1e-6:
-            raise SessionError("audio_end_ms_out_of_range", f"audio_end_ms {audio_end_ms} is beyond the item's audio ({sent_ms:.0f} ms sent)", "audio_end_ms")
+            raise SessionError("invalid_value", f"Audio content of {sent_ms:.0f}ms is already shorter than {audio_end_ms:.0f}ms "
+                                                "(audio_end_ms is beyond the audio sent)", "audio_end_ms")
         self.discard_speculation()  # it answered the history before this edit
         if r is self.response:
             r.acked_ms = float(audio_end_ms)

@@ -39,6 +39,8 @@ class CreateResponse:
     event_id: str | None = None
     metadata: dict | None = None  # echoed in response.created / response.done
     output_modalities: tuple[str, ...] | None = None  # this answer's, when it differs from the session's
+    instructions: str | None = None  # this answer's own system text (response.instructions); None: the session's
+    max_output_tokens: int | str | None = None  # this answer's own bound (response.max_output_tokens); None: the session's
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +95,14 @@ class SetTurnDetection:
     event_id: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class SetNoiseReduction:
+    mode: str | None  # "near_field" / "far_field"; None: off (audio.input.noise_reduction)
+    event_id: str | None = None
+
+
 SessionInput = (AudioIn | CommitInput | ClearInput | CreateResponse | AddUserItem | CancelRequested | ClearOutput | TruncateItem
-                | DeleteItem | Played | SetTurnDetection)
+                | DeleteItem | Played | SetTurnDetection | SetNoiseReduction)
 
 
 class InputSource(Protocol):
@@ -113,8 +121,8 @@ def apply(session: Session, inp: SessionInput, now: float) -> None:
             session.receive_commit(now)
         case ClearInput():
             session.receive_clear()
-        case CreateResponse(metadata=metadata, output_modalities=modalities):
-            session.receive_response_create(now, metadata, modalities)
+        case CreateResponse(metadata=metadata, output_modalities=modalities, instructions=instructions, max_output_tokens=tokens):
+            session.receive_response_create(now, metadata, modalities, instructions, tokens)
         case AddUserItem(item_id, pcm, text):
             session.receive_user_item(item_id, pcm, text)
         case CancelRequested(response_id):
@@ -129,6 +137,8 @@ def apply(session: Session, inp: SessionInput, now: float) -> None:
             session.receive_played(played_ms, underruns, response_id)
         case SetTurnDetection(params):
             session.set_turn_detection(params)
+        case SetNoiseReduction(mode):
+            session.set_noise_reduction(mode)
 
 
 def apply_inputs(source: InputSource, session: Session, now: float, budget: InputBudget | None = None) -> int:

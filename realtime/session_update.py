@@ -6,10 +6,14 @@ the changes to apply and a `ClientError` per refused field (each naming it in `p
 Realtime event machine applies the changes, sends the errors, then `session.updated` with the
 resulting config: what was applied, never a refused value.
 
-Fields of the GA session schema this server cannot honour (tools, noise reduction, ...) are refused
-by name unless their value asks for nothing (null, [], "auto"), so a client never believes a feature
-is on when it is not. Input transcription and text-only answers are honoured when the model has a
-text tokenizer (`text`), and refused by name when it has none.
+The rule (docs/protocol.md, "Every session field"): a field is refused only where honouring it is
+impossible and ignoring it would give the client something other than what it asked for. Otherwise
+it is honoured, or accepted as the hint it is: `session.updated` echoes the effective value, and a
+client that opted in to our additions gets a `duplex.notice` naming the field and what it does here
+(`SessionUpdate.notices`). So tools under "auto" (OpusLM never calls one, which "auto" allows) and
+transcription hints are accepted; a forced tool call, stored prompts or log probabilities are not.
+Input transcription and text-only answers are honoured when the model has a text tokenizer (`text`),
+and refused by name when it has none.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from realtime.audio import parse_wire_format
+from realtime.noise_suppression import NOISE_REDUCTION_TYPES
+from realtime.tools import NO_CALLS, parse_tool_choice, parse_tools
+from realtime.tracing_config import parse_tracing
 from realtime.vad import VadParams
-from realtime.wire_fields import ClientError, get_field, unsupported
+from realtime.wire_fields import ClientError, Notice, get_field, unsupported
 
 # semantic_vad's eagerness served by our server VAD: how long a pause ends a turn, and how sure the VAD
 # must be that it hears speech (a higher threshold also makes barge-ins harder). "auto" is "medium".
@@ -49,6 +56,7 @@ class SessionUpdate:
     turn_detection_wire: dict | None = None  # the turn_detection object to echo (semantic_vad: as the client asked)
     opted_in: bool = False  # the client sent `duplex`: it wants our additions (docs/protocol.md)
     refused: list[ClientError] = field(default_factory=list)
+    notices: list[Notice] = field(default_factory=list)  # fields accepted as hints: told to clients that opted in
 
     @property
     def turn_detection_changed(self) -> bool:
@@ -74,6 +82,7 @@ def parse_session_update(cfg: dict, settings, turn_detection: VadParams | None, 
         if key not in _KNOWN:
             upd.refused.append(ClientError("unknown_parameter", f"unknown parameter 'session.{key}'", f"session.{key}"))
     attempt(_formats, upd, cfg, inp, out)
+    attempt(_noise_reduction, upd, cfg, inp, settings.noise_reduction)
     if "turn_detection" in inp or "turn_detection" in cfg:
         td = inp["turn_detection"] if "turn_detection" in inp else cfg["turn_detection"]
         attempt(_turn_detection, upd, td, turn_detection)
@@ -81,6 +90,11 @@ def parse_session_update(cfg: dict, settings, turn_detection: VadParams | None, 
     for key, types, conv in (("instructions", str, str), ("model", str, str), ("temperature", (int, float), float)):
         attempt(_simple, upd, cfg, key, types, conv)
     attempt(_refusals, upd, cfg, inp, out)
+    attempt(_tools, upd, cfg)
+    attempt(_max_output_tokens, upd, cfg)
+    attempt(_hints, upd, cfg)
+    if "tracing" in cfg:  # honoured with OpenTelemetry spans (realtime/tracing_config.py)
+        attempt(_tracing, upd, cfg["tracing"], settings.tracing)
     attempt(_transcription, upd, cfg, inp, text)
     attempt(_modalities, upd, cfg, text)
     if cfg.get("truncation") is not None:
@@ -97,7 +111,7 @@ def parse_session_update(cfg: dict, settings, turn_detection: VadParams | None, 
 
 
 _GA_PARAMS = {"temperature": "session.temperature", "retention_ratio": "session.truncation.retention_ratio",
-              "truncation": "session.truncation"}
+              "truncation": "session.truncation", "noise_reduction": "session.audio.input.noise_reduction"}
 
 
 def _truncation(upd: SessionUpdate, value) -> None:
@@ -206,24 +220,49 @@ def _ours(upd: SessionUpdate, cfg: dict) -> None:
             upd.refused.append(e)
 
 
+def _tracing(upd: SessionUpdate, value, current) -> None:
+    upd.changes["tracing"] = parse_tracing(value, current)
+
+
+def _noise_reduction(upd: SessionUpdate, cfg: dict, inp: dict, current: str | None) -> None:
+    """audio.input.noise_reduction (GA) or input_audio_noise_reduction (beta): {"type": "near_field" |
+    "far_field"} suppresses noise in the user's audio before the VAD and the model
+    (realtime/noise_suppression.py); null turns it off. No type: the current one, else near_field.
+    `strength` is each type's own: 1 (the API's default) or omitted."""
+    if "noise_reduction" in inp:
+        param, value = "session.audio.input.noise_reduction", inp["noise_reduction"]
+    elif "input_audio_noise_reduction" in cfg:
+        param, value = "session.input_audio_noise_reduction", cfg["input_audio_noise_reduction"]
+    else:
+        return
+    if value is None:
+        upd.changes["noise_reduction"] = None
+        return
+    if not isinstance(value, dict):
+        raise ClientError("invalid_type", f"'{param}' must be an object or null", param)
+    for key in value:
+        if key not in ("type", "strength"):
+            raise ClientError("unknown_parameter", f"unknown parameter '{param}.{key}'", f"{param}.{key}")
+    kind = get_field(value, "type", str, prefix=param + ".") or current or "near_field"
+    if kind not in NOISE_REDUCTION_TYPES:
+        raise ClientError("invalid_value", f"'{param}.type' must be one of {', '.join(NOISE_REDUCTION_TYPES)} (or the "
+                                           f"whole field null), got {kind!r}", param + ".type")
+    if get_field(value, "strength", (int, float), prefix=param + ".") not in (None, 1):
+        raise unsupported(param + ".strength", "each type has its own suppression strength: use 1 or omit it")
+    upd.changes["noise_reduction"] = kind
+
+
 def _refusals(upd: SessionUpdate, cfg: dict, inp: dict, out: dict) -> None:
     """GA fields asking for what OpusLM cannot do: accepted only when they ask for nothing."""
     checks = (
         ("session.type", cfg.get("type"), lambda v: v in (None, "realtime"), "only 'realtime' sessions (no transcription-only sessions)"),
-        ("session.audio.input.noise_reduction", inp.get("noise_reduction"), _nothing, "no noise reduction; use null"),
-        ("session.input_audio_noise_reduction", cfg.get("input_audio_noise_reduction"), _nothing, "no noise reduction; use null"),
         ("session.audio.output.speed", out.get("speed"), lambda v: v in (None, 1, 1.0), "the speech rate is the model's own; use 1.0"),
         ("session.speed", cfg.get("speed"), lambda v: v in (None, 1, 1.0), "the speech rate is the model's own; use 1.0"),
-        ("session.tools", cfg.get("tools"), _nothing, "OpusLM has no function calling"),
-        ("session.tool_choice", cfg.get("tool_choice"), lambda v: v in (None, "auto", "none"), "OpusLM has no function calling"),
-        ("session.max_output_tokens", cfg.get("max_output_tokens"), lambda v: v in (None, "inf"),
-         "answers are bounded in time, not tokens: set session.duplex.max_response_ms"),
-        ("session.max_response_output_tokens", cfg.get("max_response_output_tokens"), lambda v: v in (None, "inf"),
-         "answers are bounded in time, not tokens: set session.duplex.max_response_ms"),
-        ("session.include", cfg.get("include"), _nothing, "no transcription log probabilities"),
-        ("session.prompt", cfg.get("prompt"), _nothing, "no stored prompts; send instructions"),
-        ("session.reasoning", cfg.get("reasoning"), _nothing, "OpusLM does not reason in text"),
-        ("session.tracing", cfg.get("tracing"), _nothing, "no OpenAI traces on this server"),
+        # asked-for output the engine cannot give (no log probabilities), and stored prompts (their
+        # instructions live on OpenAI's platform): ignoring either would give the client something else
+        ("session.include", cfg.get("include"), _nothing,
+         "the model reports no log probabilities, so transcripts cannot include them (use null)"),
+        ("session.prompt", cfg.get("prompt"), _nothing, "no stored prompt templates here: send their text as instructions"),
     )
     for param, value, ok, why in checks:
         if not ok(value):
@@ -234,22 +273,76 @@ def _nothing(v) -> bool:
     return v is None or v == [] or v == {}
 
 
+def _tools(upd: SessionUpdate, cfg: dict) -> None:
+    """`tools` under "auto"/"none": accepted and echoed (realtime/tools.py); a forced call: refused."""
+    if "tools" in cfg:
+        upd.changes["tools"] = parse_tools(cfg["tools"], "session.tools")
+        if upd.changes["tools"]:
+            upd.notices.append(Notice("session.tools", NO_CALLS + " (tool_choice \"auto\" allows that): the tools are "
+                                                      "listed, never offered to the model"))
+    if (choice := parse_tool_choice(cfg.get("tool_choice"), "session.tool_choice")) is not None:  # after: a refused choice leaves the tools
+        upd.changes["tool_choice"] = choice
+
+
+# One output token is one step of the model's answer: a 20 ms audio frame (OpusLM's codec runs at
+# 50 Hz), or one text token of a text answer (and of the text an audio answer writes first).
+TOKEN_MS = 20.0
+MAX_OUTPUT_TOKENS = 4096  # OpenAI's bound on an integer max_output_tokens
+
+
+def parse_max_output_tokens(value, param: str) -> int | str | None:
+    """max_output_tokens: an integer in [1, 4096] or "inf" (None when not sent)."""
+    if value is None or value == "inf":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ClientError("invalid_type", f"'{param}' must be an integer or \"inf\"", param)
+    if not 1 <= value <= MAX_OUTPUT_TOKENS:
+        raise ClientError("invalid_value", f"'{param}' must be within [1, {MAX_OUTPUT_TOKENS}] or \"inf\", got {value}", param)
+    return value
+
+
+def _max_output_tokens(upd: SessionUpdate, cfg: dict) -> None:
+    """GA `max_output_tokens` (beta `max_response_output_tokens`): N bounds each answer to N steps
+    (N × 20 ms of audio, N text tokens); "inf": the server's `max_response_ms` alone."""
+    for key in ("max_output_tokens", "max_response_output_tokens"):
+        if key in cfg and (v := parse_max_output_tokens(cfg[key], f"session.{key}")) is not None:
+            upd.changes["max_output_tokens"] = v
+
+
+REASONING_EFFORTS = ("minimal", "low", "medium", "high", "xhigh")
+
+
+def _hints(upd: SessionUpdate, cfg: dict) -> None:
+    """Fields that ask for nothing the client relies on here: accepted (typed), echoed as effective."""
+    if "parallel_tool_calls" in cfg:  # the model makes no tool call, in parallel or not
+        get_field(cfg, "parallel_tool_calls", bool, prefix="session.")
+    if (reasoning := get_field(cfg, "reasoning", dict, prefix="session.")) is not None:
+        effort = reasoning.get("effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise ClientError("invalid_value", f"'session.reasoning.effort' must be one of {', '.join(REASONING_EFFORTS)}",
+                              "session.reasoning.effort")
+        if effort is not None:  # not echoed (null): the model answers at once, whatever the effort
+            upd.notices.append(Notice("session.reasoning", "OpusLM does not reason before it answers: the effort is a hint "
+                                                           "with no effect"))
+
+
 NO_TEXT = "the model has no text tokenizer: it hears and speaks audio only"
 
-# AudioTranscription's fields that ask for what the model cannot do unless empty: it writes the
-# user's words as it heard them (ESPnet's dialogue target), with no language hint, prompt or keywords,
-# and beside the answer, so with no delay to choose
-_TRANSCRIPTION_EMPTY = {"language": "no language hint: the model writes the language it hears",
-                        "prompt": "no transcription prompt: the model writes what it heard",
-                        "delay": "the transcript is written beside the answer: no delay to choose",
-                        "keywords": "no keywords: the model writes what it heard",
-                        "languages": "no language hint: the model writes the language it hears"}
+# AudioTranscription's hints. The model writes the user's words as it heard them (ESPnet's dialogue
+# target), beside the answer: a language, prompt or keywords cannot steer it, and there is no delay to
+# choose. They are hints in OpenAI's API too (the transcript is the user's words either way), so they
+# are accepted, echoed as given, and told to clients that opted in as having no effect here.
+_TRANSCRIPTION_HINTS = {"language": (str, "the model writes the language it hears"),
+                        "prompt": (str, "the model writes what it heard, with no prompt"),
+                        "delay": (str, "the transcript is written beside the answer, with no delay to choose"),
+                        "keywords": (list, "the model writes what it heard, with no keywords"),
+                        "languages": (list, "the model writes the language it hears")}
 
 
 def _transcription(upd: SessionUpdate, cfg: dict, inp: dict, text: bool) -> None:
     """audio.input.transcription (GA) or input_audio_transcription (beta): the dialogue model itself
     writes each answered user turn's transcript; any model name is taken (and echoed), as no other
-    model runs. null turns it off."""
+    model runs; the hints are echoed as given. null turns it off."""
     if "transcription" in inp:
         param, value = "session.audio.input.transcription", inp["transcription"]
     elif "input_audio_transcription" in cfg:
@@ -264,13 +357,19 @@ def _transcription(upd: SessionUpdate, cfg: dict, inp: dict, text: bool) -> None
     if not text:
         raise unsupported(param, NO_TEXT + "; use null")
     for key in value:
-        if key != "model" and key not in _TRANSCRIPTION_EMPTY:
+        if key != "model" and key not in _TRANSCRIPTION_HINTS:
             raise ClientError("unknown_parameter", f"unknown parameter '{param}.{key}'", f"{param}.{key}")
-    for key, why in _TRANSCRIPTION_EMPTY.items():
-        if value.get(key) not in (None, "", []):
-            raise unsupported(f"{param}.{key}", why)
-    model = get_field(value, "model", str, prefix=param + ".")
-    upd.changes["transcription"] = {"model": model}
+    echo = {"model": get_field(value, "model", str, prefix=param + ".")}
+    for key, (types, why) in _TRANSCRIPTION_HINTS.items():
+        hint = get_field(value, key, types, prefix=param + ".")
+        if isinstance(hint, list) and not all(isinstance(h, str) for h in hint):
+            raise ClientError("invalid_type", f"'{param}.{key}' must be a list of strings", f"{param}.{key}")
+        if key == "delay" and hint is not None and hint not in REASONING_EFFORTS:  # OpenAI's levels, as the effort's
+            raise ClientError("invalid_value", f"'{param}.delay' must be one of {', '.join(REASONING_EFFORTS)}", f"{param}.delay")
+        if hint not in (None, "", []):
+            echo[key] = hint
+            upd.notices.append(Notice(f"{param}.{key}", f"a hint with no effect here: {why}"))
+    upd.changes["transcription"] = echo
 
 
 def _modalities(upd: SessionUpdate, cfg: dict, text: bool) -> None:

@@ -1,6 +1,6 @@
 """The speech endpoint's `response_format`s: the engine's 16 kHz PCM out as OpenAI's formats, streamed.
 
-    enc = SpeechEncoder("mp3")                 # blocking work: call encode/finish in a thread
+    enc = SpeechEncoder("mp3", speed=1.0)      # blocking work: call encode/finish in a thread
     enc.encode(pcm_16k) -> bytes               # whatever is ready (may be b"": the codec holds a frame back)
     enc.finish() -> bytes                      # the rest, and the container's trailer
 
@@ -13,6 +13,9 @@ Every format is mono at 24 kHz, OpenAI's output rate (resampled from the engine'
     aac    AAC-LC in ADTS frames, FFmpeg's encoder, 64 kbit/s                         audio/aac
     opus   Opus (libopus, 32 kbit/s) in Ogg, a page every 100 ms                      audio/ogg
     flac   FLAC                                                                       audio/flac
+
+`speed` other than 1.0 (OpenAI's [0.25, 4.0]) time-stretches the engine's audio before it is
+resampled, keeping its pitch (`realtime.time_stretch`, FFmpeg's atempo).
 
 Streamed means nothing is ever rewritten: the output is a pipe, not a file. WAV's header is written
 before the length is known, so its two sizes (RIFF and data) hold 0xFFFFFFFF, the "length unknown,
@@ -30,6 +33,7 @@ import numpy as np
 
 from engine.service_api import SAMPLE_RATE_HZ
 from realtime.audio import StreamResampler
+from realtime.time_stretch import TimeStretch
 
 RATE_HZ = 24_000  # OpenAI's speech output rate, every format
 UNKNOWN_SIZE = 0xFFFFFFFF  # a streamed WAV's RIFF and data sizes
@@ -71,9 +75,10 @@ class _Sink:
 class SpeechEncoder:
     """One reply's audio in `fmt` (one of FORMATS); `encode` then `finish`, from one thread at a time."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, speed: float = 1.0) -> None:
         if fmt not in CONTENT_TYPES:
             raise ValueError(f"unknown speech format {fmt!r}")
+        self._stretch = None if speed == 1.0 else TimeStretch(speed, SAMPLE_RATE_HZ)
         self.fmt = fmt
         self.content_type = CONTENT_TYPES[fmt]
         self._resampler = StreamResampler(SAMPLE_RATE_HZ, RATE_HZ)
@@ -90,10 +95,16 @@ class SpeechEncoder:
                 self._stream.bit_rate = bit_rate
 
     def encode(self, pcm_16k: np.ndarray) -> bytes:
-        return self._out(self._resampler.process(np.asarray(pcm_16k, np.int16)), final=False)
+        pcm = np.asarray(pcm_16k, np.int16)
+        if self._stretch is not None:
+            pcm = self._stretch.process(pcm)
+        return self._out(self._resampler.process(pcm), final=False)
 
     def finish(self) -> bytes:
-        return self._out(self._resampler.flush(), final=True)
+        if self._stretch is None:
+            return self._out(self._resampler.flush(), final=True)
+        tail = self._resampler.process(self._stretch.flush())
+        return self._out(np.concatenate([tail, self._resampler.flush()]), final=True)
 
     def _out(self, pcm: np.ndarray, final: bool) -> bytes:
         head, self._header = self._header, b""

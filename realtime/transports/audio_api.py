@@ -38,6 +38,7 @@ from realtime.http import HttpReply, HttpRequest, HttpRoute, error_body, json_er
 from realtime.http_stream import HttpStream
 from realtime.speech_formats import FORMATS as SPEECH_FORMATS
 from realtime.speech_formats import SpeechEncoder
+from realtime.time_stretch import MAX_SPEED, MIN_SPEED
 from realtime.transports.context import TransportContext
 
 log = logging.getLogger("duplex.audio_api")
@@ -50,7 +51,9 @@ TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json")
 # OpenAI's other formats need what the engine does not give: timestamps (srt, vtt), speakers (diarized_json)
 UNSUPPORTED_TRANSCRIPTION_FORMATS = {"srt": "timestamps", "vtt": "timestamps", "diarized_json": "speaker labels"}
 TRANSCRIPTION_FIELDS = ("file", "model", "response_format", "stream", "temperature")
-EMPTY_ONLY_FIELDS = ("prompt", "language")  # accepted empty (no effect by definition); otherwise refused
+# hints, in OpenAI's API too: the model writes what it heard, in the language it heard, with no prompt;
+# the transcript is the speech's words either way, so they are accepted (docs/protocol.md, the rule)
+HINT_FIELDS = ("prompt", "language")
 SPEECH_FIELDS = ("model", "input", "voice", "response_format", "speed", "instructions", "stream_format")
 MAX_FORM_FIELDS = 32
 
@@ -185,14 +188,14 @@ class AudioApi:
     async def speech(self, req: HttpRequest) -> HttpReply | HttpStream:
         try:
             _content_type(req, "application/json", "a JSON object (model, input, voice, ...)")
-            text, voice_pcm, fmt = _speech_fields(req.body, self.ctx.voices, self.cfg.max_input_chars)
+            text, voice_pcm, fmt, speed = _speech_fields(req.body, self.ctx.voices, self.cfg.max_input_chars)
             slot = self._slot("speech")
         except ApiError as e:
             self.count("speech", e.outcome)
             return e.reply()
         encoder = None
         try:
-            encoder = SpeechEncoder(fmt)
+            encoder = SpeechEncoder(fmt, speed)
             options = SpeechOptions(speaker_prompt_pcm=voice_pcm, max_ms=1000.0 * self.cfg.max_speech_s)
             chunks, first = await _start(lambda: self.engine.synthesize(text, options), self.ctx.config.limits.retry_after_s)
         except BaseException as e:
@@ -269,12 +272,7 @@ def _form(req: HttpRequest) -> dict[str, bytes]:
 def _transcription_fields(form: dict[str, bytes]) -> tuple[TranscriptionOptions, str, bool]:
     """(engine options, response_format, stream) from the form; ApiError naming the first field refused."""
     for name in form:
-        if name in EMPTY_ONLY_FIELDS:
-            if form[name].strip():
-                why = ("the model takes no text prompt" if name == "prompt" else
-                       "the model is not told a language (and detects none)")
-                raise ApiError(HTTPStatus.BAD_REQUEST, "unsupported_parameter", f"'{name}' is not supported: {why}", name)
-        elif name not in TRANSCRIPTION_FIELDS:
+        if name not in TRANSCRIPTION_FIELDS and name not in HINT_FIELDS:
             raise ApiError(HTTPStatus.BAD_REQUEST, "unsupported_parameter",
                            f"'{name}' is not supported by this server (supported: {', '.join(TRANSCRIPTION_FIELDS)})", name)
     if "file" not in form:
@@ -322,8 +320,8 @@ def _decode(data: bytes, limits: UploadLimits) -> DecodedAudio:
         raise ApiError(e.status, e.code, e.message, "file", outcome="too_large" if e.status == 413 else "bad_request") from None
 
 
-def _speech_fields(body: bytes, voices: dict, max_chars: int) -> tuple[str, np.ndarray | None, str]:
-    """(input, the voice's speaker prompt or None for the model's own, response_format); ApiError naming the field."""
+def _speech_fields(body: bytes, voices: dict, max_chars: int) -> tuple[str, np.ndarray | None, str, float]:
+    """(input, the voice's speaker prompt or None for the model's own, response_format, speed); ApiError naming the field."""
     try:
         req = client_json.loads(body)
     except client_json.BadJson as e:
@@ -348,20 +346,21 @@ def _speech_fields(body: bytes, voices: dict, max_chars: int) -> tuple[str, np.n
     if fmt not in SPEECH_FORMATS:
         raise ApiError(HTTPStatus.BAD_REQUEST, "invalid_value", f"response_format must be one of {', '.join(SPEECH_FORMATS)}; "
                        f"got {fmt!r}", "response_format")
-    speed = req.get("speed", 1.0)
-    if speed is not None and (isinstance(speed, bool) or not isinstance(speed, int | float) or speed != 1.0):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "unsupported_value",
-                       f"speed {speed!r} is not supported: the model speaks at its own pace (only 1.0)", "speed")
-    if req.get("instructions") not in (None, ""):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "unsupported_parameter",
-                       "instructions are not supported: the model takes no text about how to speak", "instructions")
+    speed = 1.0 if req.get("speed") is None else req["speed"]  # honoured: the audio is time-stretched (pitch kept)
+    if isinstance(speed, bool) or not isinstance(speed, int | float) or not MIN_SPEED <= speed <= MAX_SPEED:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "invalid_value", f"speed must be a number within [{MIN_SPEED}, {MAX_SPEED}]; "
+                       f"got {speed!r}", "speed")
+    # How to speak (tone, accent...): a hint in OpenAI's API too, that this model cannot read (it takes
+    # no text about its delivery); the words asked for are spoken either way, so it is accepted
+    if req.get("instructions") is not None and not isinstance(req["instructions"], str):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "invalid_type", "instructions must be a string", "instructions")
     stream_format = req.get("stream_format", "audio")
     if stream_format == "sse":
         raise ApiError(HTTPStatus.BAD_REQUEST, "unsupported_value", "stream_format 'sse' is not supported: the audio itself is "
                        "streamed as it is generated (stream_format 'audio')", "stream_format")
     if stream_format not in (None, "audio"):
         raise ApiError(HTTPStatus.BAD_REQUEST, "invalid_value", f"stream_format must be 'audio'; got {stream_format!r}", "stream_format")
-    return text, voice_pcm, fmt
+    return text, voice_pcm, fmt, float(speed)
 
 
 def _voice(req: dict, voices: dict) -> np.ndarray | None:

@@ -39,15 +39,17 @@ async def sdk_until(conn, kind: str, seen: list) -> object:
 
 
 @contextlib.asynccontextmanager
-async def fake_gateway(engine, config: dict | None = None, token: str | None = None, voices: dict | None = None):
+async def fake_gateway(engine, config: dict | None = None, token: str | None = None, voices: dict | None = None,
+                       tracer_provider=None):
     """A Gateway on 127.0.0.1 (port chosen by the OS) in front of `engine` (tests' FakeEngine), in the
-    running loop; `config` is the server config as a dict (`server.port` is forced to 0)."""
+    running loop; `config` is the server config as a dict (`server.port` is forced to 0);
+    `tracer_provider`: the sessions' OpenTelemetry spans go there (else: as the OTEL_* environment says)."""
     from realtime.config import config_from_dict
     from realtime.server import Gateway
 
     config = config or {}
     gw = Gateway(engine, config_from_dict({**config, "server": {**config.get("server", {}), "port": 0}}), token=token,
-                 voices=voices)
+                 voices=voices, tracer_provider=tracer_provider)
     await gw.start()
     try:
         yield gw

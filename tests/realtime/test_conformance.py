@@ -81,20 +81,22 @@ def test_session_update_applies_the_valid_fields_and_names_the_refused_ones():
     c = Client(extensions=False)
     c.take()
     c.send({"type": "session.update", "event_id": "u1", "session": {
-        "instructions": "be brief", "temperature": 5, "tools": [{"type": "function", "name": "f"}],
+        "instructions": "be brief", "temperature": 5, "tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
         "audio": {"input": {"transcription": {"model": "whisper-1"}}, "output": {"voice": "alloy"}}}})
     errs, upd = c.errors(), c.sent[-1]
     assert len(errs) == 1 and errs[0]["event_id"] == "u1"
-    for param in ("session.temperature", "session.tools", "session.audio.input.transcription"):
+    for param in ("session.temperature", "session.tool_choice", "session.audio.input.transcription"):
         assert param in errs[0]["message"]
     assert upd["type"] == "session.updated"
     s = upd["session"]
     assert s["instructions"] == "be brief" and s["audio"]["output"]["voice"] == "alloy"
-    assert s["tools"] == [] and s["audio"]["input"]["transcription"] is None  # what was applied, not what was asked
+    assert s["tool_choice"] == "auto" and s["audio"]["input"]["transcription"] is None  # what was applied, not what was asked
+    assert [t["name"] for t in s["tools"]] == ["f"]  # listed under "auto" (the refused choice leaves them)
     _strict_check(c.sent)
 
 
-# Every field of the GA session object the openai SDK can send: honoured, or refused with an error naming it.
+# Every field of the GA session object the openai SDK can send: honoured, accepted as a hint, or refused with an
+# error naming it (docs/protocol.md, "Every session field": the rule and the table these rows follow).
 SWEEP = [
     ({"type": "realtime"}, None),
     ({"type": "transcription"}, "session.type"),
@@ -104,8 +106,11 @@ SWEEP = [
     ({"output_modalities": ["text"]}, "session.output_modalities"),
     ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, None),
     ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "session.audio.input.format"),
-    ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
+    ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, None),
+    ({"audio": {"input": {"noise_reduction": {"type": "far_field"}}}}, None),
     ({"audio": {"input": {"noise_reduction": None}}}, None),
+    ({"audio": {"input": {"noise_reduction": {"type": "studio"}}}}, "session.audio.input.noise_reduction.type"),
+    ({"audio": {"input": {"noise_reduction": "near_field"}}}, "session.audio.input.noise_reduction"),
     ({"audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}, "session.audio.input.transcription"),
     ({"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 0.6}}}}, None),
     ({"audio": {"input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 5000}}}},
@@ -118,14 +123,23 @@ SWEEP = [
     ({"audio": {"output": {"speed": 1.5}}}, "session.audio.output.speed"),
     ({"include": ["item.input_audio_transcription.logprobs"]}, "session.include"),
     ({"max_output_tokens": "inf"}, None),
-    ({"max_output_tokens": 200}, "session.max_output_tokens"),
+    ({"max_output_tokens": 200}, None),
+    ({"max_output_tokens": 0}, "session.max_output_tokens"),
+    ({"max_output_tokens": 5000}, "session.max_output_tokens"),
+    ({"max_output_tokens": "lots"}, "session.max_output_tokens"),
     ({"prompt": {"id": "pmpt_1"}}, "session.prompt"),
     ({"tool_choice": "auto"}, None),
     ({"tool_choice": "required"}, "session.tool_choice"),
     ({"tools": []}, None),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "session.tools"),
+    ({"tools": [{"type": "function", "name": "f", "description": "d", "parameters": {}}]}, None),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "none"}, None),
+    ({"tools": [{"type": "mcp", "server_label": "x"}]}, "session.tools[0].type"),
+    ({"tools": [{"type": "function"}]}, "session.tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "strict": True}]}, "session.tools[0].strict"),
     ({"tracing": None}, None),
-    ({"tracing": "auto"}, "session.tracing"),
+    ({"tracing": "auto"}, None),
+    ({"tracing": {"workflow_name": "w", "group_id": "g", "metadata": {"k": "v"}}}, None),
+    ({"tracing": {"workflow_name": 5}}, "session.tracing.workflow_name"),
     ({"truncation": "auto"}, None),
     ({"truncation": "disabled"}, None),
     ({"truncation": {"type": "retention_ratio", "retention_ratio": 0.5}}, None),
@@ -134,11 +148,14 @@ SWEEP = [
      "session.truncation.token_limits"),
     ({"truncation": "sometimes"}, "session.truncation"),
     ({"parallel_tool_calls": False}, None),
-    ({"reasoning": {"effort": "low"}}, "session.reasoning"),
+    ({"parallel_tool_calls": "yes"}, "session.parallel_tool_calls"),
+    ({"reasoning": {"effort": "low"}}, None),
+    ({"reasoning": {"effort": "huge"}}, "session.reasoning.effort"),
     ({"temperature": 0.7}, None),
     ({"no_such_field": 1}, "session.no_such_field"),
     # the rest of the GA schema's leaves (test_the_sweep_covers_the_sdks_whole_session_schema)
-    ({"audio": {"input": {"noise_reduction": {"type": "near_field", "strength": 0.5}}}}, "session.audio.input.noise_reduction"),
+    ({"audio": {"input": {"noise_reduction": {"type": "near_field", "strength": 1.0}}}}, None),
+    ({"audio": {"input": {"noise_reduction": {"type": "near_field", "strength": 0.5}}}}, "session.audio.input.noise_reduction.strength"),
     ({"audio": {"input": {"transcription": {"model": "whisper-1", "language": "en", "prompt": "names"}}}},
      "session.audio.input.transcription"),
     ({"audio": {"input": {"transcription": {"model": "gpt-realtime-whisper", "delay": 1, "keywords": ["a"], "languages": ["en"]}}}},
@@ -153,8 +170,8 @@ SWEEP = [
     ({"tool_choice": {"type": "function", "name": "f"}}, "session.tool_choice"),
     ({"tool_choice": {"type": "mcp", "server_label": "x"}}, "session.tool_choice"),
 ]
-# subtrees whose leaves need no row each: refused whole (tools, prompt, tracing) or a list of names (include)
-SWEEP_WHOLE = ("tools", "prompt", "tracing", "include")
+# subtrees whose leaves need no row each: a list of tools (checked in tools.py), refused whole (prompt) or a list of names (include)
+SWEEP_WHOLE = ("tools", "prompt", "include")
 
 
 def _model_types(annotation) -> list[type]:
@@ -203,6 +220,21 @@ def test_every_ga_session_field_is_honoured_or_refused_by_name(fields, refused):
     _strict_check(c.sent)
 
 
+def test_max_output_tokens_is_echoed_as_the_bound_in_force():
+    c = Client(extensions=False)
+    default_ms = c.proto.settings.max_response_ms
+    c.send({"type": "session.update", "session": {"max_response_output_tokens": 25}})  # beta's spelling
+    assert c.sent[-1]["session"]["max_output_tokens"] == 25
+    assert (c.proto.engine_options().max_response_ms, c.proto.engine_options().max_text_tokens) == (500.0, 25)
+    c.send({"type": "session.update", "session": {"max_output_tokens": 4096}})  # beyond the server's max_response_ms
+    assert c.sent[-1]["session"]["max_output_tokens"] == int(default_ms // 20)
+    assert c.proto.engine_options().max_response_ms == default_ms
+    c.send({"type": "session.update", "session": {"max_output_tokens": "inf"}})
+    assert c.sent[-1]["session"]["max_output_tokens"] == "inf" and c.proto.engine_options().max_response_ms == default_ms
+    assert c.errors() == []
+    _strict_check(c.sent)
+
+
 @pytest.mark.parametrize("eagerness", ["low", "medium", "high", "auto"])
 def test_semantic_vad_is_served_by_the_server_vad_and_echoed_as_asked(eagerness):
     c = Client(extensions=False)
@@ -248,10 +280,42 @@ def test_conversation_items_text_system_and_user_audio():
     c.send({"type": "conversation.item.delete", "item_id": "a1"})
     assert c.errors()[-1]["code"] == "item_not_deletable"
     c.send({"type": "conversation.item.retrieve", "item_id": "nope"})
-    assert c.errors()[-1]["code"] == "item_not_found"
-    c.send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "x", "output": "{}"}})
-    assert c.errors()[-1]["param"] == "item.type" and "function calling" in c.errors()[-1]["message"]
+    assert c.errors()[-1]["code"] == "item_retrieve_invalid_item_id"  # OpenAI's codes, which Pipecat matches on
+    c.send({"type": "conversation.item.delete", "item_id": "nope"})
+    assert c.errors()[-1]["code"] == "item_delete_invalid_item_id"
+    c.send({"type": "conversation.item.create", "item": {"id": "a1", "type": "message", "role": "system",
+                                                         "content": [{"type": "input_text", "text": "x"}]}})
+    assert c.errors()[-1]["code"] == "item_create_duplicate_item_id"  # LiveKit takes this one as "already there"
     assert "unknown_event_type" not in [e["code"] for e in c.errors()]
+    _strict_check(c.sent)
+
+
+def test_function_call_items_are_kept_and_echoed_as_openai_does_never_given_to_the_model():
+    c = Client(vad=None, extensions=False)
+    c.take()
+    n_errors = len(c.errors())
+    c.send({"type": "conversation.item.create", "item": {"id": "fc1", "type": "function_call", "call_id": "call_1",
+                                                         "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}})
+    c.send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "call_1",
+                                                         "output": "{\"temp_c\": 21}"}})
+    assert len(c.errors()) == n_errors
+    added = [e["item"] for e in c.sent if e["type"] == "conversation.item.added"]
+    assert added[0] == {"id": "fc1", "object": "realtime.item", "type": "function_call", "status": "completed",
+                        "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}
+    out = added[1]
+    assert (out["type"], out["call_id"], out["output"], out["object"]) == ("function_call_output", "call_1", "{\"temp_c\": 21}", "realtime.item")
+    assert c.commands == []  # the engine hears nothing of them
+    assert c.proto.take_engine_options() is None  # nor do they change its system text
+    c.send({"type": "conversation.item.retrieve", "item_id": out["id"]})
+    assert c.sent[-1]["type"] == "conversation.item.retrieved" and c.sent[-1]["item"] == out
+    c.send({"type": "conversation.item.delete", "item_id": "fc1"})
+    assert c.sent[-1]["type"] == "conversation.item.deleted" and c.sent[-1]["item_id"] == "fc1"
+    for bad, param in (({"type": "function_call_output", "output": "x"}, "item.call_id"),
+                       ({"type": "function_call", "name": "f"}, "item.arguments"),
+                       ({"type": "function_call_output", "call_id": "c", "output": 5}, "item.output"),
+                       ({"type": "mcp_call"}, "item.type")):
+        c.send({"type": "conversation.item.create", "item": bad})
+        assert c.errors()[-1]["param"] == param
     _strict_check(c.sent)
 
 
@@ -260,9 +324,10 @@ def test_response_create_echoes_metadata_and_refuses_what_it_cannot_honour():
     c.append_pcm24(silence(200, 24_000) + 1000)
     c.send({"type": "input_audio_buffer.commit"})
     c.take()
-    for response, param in ((({"conversation": "none"}), "response.conversation"), ({"tools": [{"type": "function", "name": "f"}]}, "response.tools"),
-                            ({"output_modalities": ["text"]}, "response.output_modalities"),
-                            ({"instructions": "other"}, "response.instructions")):
+    for response, param in ((({"conversation": "none"}), "response.conversation"), ({"tool_choice": "required"}, "response.tool_choice"),
+                            ({"tool_choice": {"type": "function", "name": "f"}}, "response.tool_choice"),
+                            ({"max_output_tokens": 0}, "response.max_output_tokens"), ({"prompt": {"id": "p"}}, "response.prompt"),
+                            ({"output_modalities": ["text"]}, "response.output_modalities")):
         c.send({"type": "response.create", "response": response})
         assert c.errors()[-1]["param"] == param
     assert "response.created" not in c.types()
@@ -288,14 +353,17 @@ def test_multipart_offer_as_the_openai_sdk_sends_it():
 # With a model that reads and writes text: these fields are honoured (and their refusals still named).
 TEXT_SWEEP = [
     ({"audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}, None),
-    ({"audio": {"input": {"transcription": {"model": "whisper-1", "language": "en", "prompt": "names"}}}},
-     "session.audio.input.transcription.language"),
-    ({"audio": {"input": {"transcription": {"model": "gpt-realtime-whisper", "delay": "low"}}}},
+    # hints: accepted, echoed (the model writes what it heard either way)
+    ({"audio": {"input": {"transcription": {"model": "whisper-1", "language": "en", "prompt": "names"}}}}, None),
+    ({"audio": {"input": {"transcription": {"model": "gpt-realtime-whisper", "delay": "low"}}}}, None),
+    ({"audio": {"input": {"transcription": {"model": "gpt-transcribe", "keywords": ["a"]}}}}, None),
+    ({"audio": {"input": {"transcription": {"model": "gpt-transcribe", "languages": ["en"]}}}}, None),
+    ({"audio": {"input": {"transcription": {"model": "gpt-realtime-whisper", "delay": "soon"}}}},
      "session.audio.input.transcription.delay"),
-    ({"audio": {"input": {"transcription": {"model": "gpt-transcribe", "keywords": ["a"]}}}},
+    ({"audio": {"input": {"transcription": {"model": "gpt-transcribe", "keywords": [1]}}}},
      "session.audio.input.transcription.keywords"),
-    ({"audio": {"input": {"transcription": {"model": "gpt-transcribe", "languages": ["en"]}}}},
-     "session.audio.input.transcription.languages"),
+    ({"audio": {"input": {"transcription": {"model": "gpt-transcribe", "language": 5}}}},
+     "session.audio.input.transcription.language"),
     ({"output_modalities": ["text"]}, None),
     ({"output_modalities": ["audio", "text"]}, "session.output_modalities"),
     ({"output_modalities": []}, "session.output_modalities"),

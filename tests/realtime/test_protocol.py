@@ -198,13 +198,15 @@ def test_manual_turns_commit_create_cancel_truncate():
     c.engine_chunk(rid, 400)
     c.tick(0.3)
     c.send({"type": "conversation.item.truncate", "item_id": item, "content_index": 0, "audio_end_ms": 99999})
-    assert c.errors()[-1]["code"] == "audio_end_ms_out_of_range" and c.errors()[-1]["param"] == "audio_end_ms"
+    err = c.errors()[-1]
+    assert (err["code"], err["param"]) == ("invalid_value", "audio_end_ms") and "is already shorter than 99999ms" in err["message"]
     c.commands.clear()
     c.send({"type": "conversation.item.truncate", "item_id": item, "content_index": 0, "audio_end_ms": 120})
     assert c.sent[-1] == {**c.sent[-1], "type": "conversation.item.truncated", "audio_end_ms": 120}
     assert CancelResponse(rid, 120.0) in c.commands
     c.send({"type": "response.cancel", "event_id": "x"})
     assert c.errors()[-1]["code"] == "response_cancel_not_active"
+    assert c.errors()[-1]["message"].startswith("Cancellation failed: no active response found")  # LiveKit's prefix
 
 
 @pytest.mark.parametrize("message, code, param", [
@@ -216,7 +218,9 @@ def test_manual_turns_commit_create_cancel_truncate():
     ({"type": "input_audio_buffer.append", "audio": 5}, "invalid_type", "audio"),
     ({"type": "input_audio_buffer.append", "audio": "%%%notbase64"}, "invalid_base64", "audio"),
     ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x01\x02\x03").decode()}, "invalid_audio", "audio"),
-    ({"type": "conversation.item.truncate", "item_id": "nope", "audio_end_ms": 10}, "item_not_found", "item_id"),
+    ({"type": "conversation.item.truncate", "item_id": "nope", "audio_end_ms": 10}, "item_truncate_invalid_item_id", "item_id"),
+    ({"type": "conversation.item.retrieve", "item_id": "nope"}, "item_retrieve_invalid_item_id", "item_id"),
+    ({"type": "conversation.item.delete", "item_id": "nope"}, "item_delete_invalid_item_id", "item_id"),
     ({"type": "conversation.item.truncate", "item_id": "x", "audio_end_ms": "10"}, "invalid_type", "audio_end_ms"),
     ({"type": "response.cancel"}, "response_cancel_not_active", None),
     ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}, "invalid_value", "session.audio.input.format"),

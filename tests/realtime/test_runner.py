@@ -221,7 +221,8 @@ def test_client_cancel_then_truncate_after_completion():
         link.feed({"type": "conversation.item.truncate", "event_id": "ev_t1", "item_id": item1, "audio_end_ms": 60_000})
         await until(lambda: link.of("error"), "an error")
         err = link.of("error")[0]["error"]
-        assert (err["code"], err["param"], err["event_id"]) == ("audio_end_ms_out_of_range", "audio_end_ms", "ev_t1")
+        assert (err["code"], err["param"], err["event_id"]) == ("invalid_value", "audio_end_ms", "ev_t1")
+        assert err["message"].startswith("Audio content of ") and "is already shorter than 60000ms" in err["message"]
         assert len(conv.truncates) == 2
         link.hang_up()
         await rig.ended(runner)
@@ -255,7 +256,7 @@ def test_exchanges_the_engine_drops_for_its_context_are_deleted_items():
         # the deleted answer is gone: truncating it is refused, the engine is not told
         link.feed({"type": "conversation.item.truncate", "event_id": "ev_t", "item_id": answer1, "audio_end_ms": 10})
         await until(lambda: link.of("error"), "an error")
-        assert link.of("error")[0]["error"]["code"] == "item_not_found" and not conv.truncates
+        assert link.of("error")[0]["error"]["code"] == "item_truncate_invalid_item_id" and not conv.truncates
         link.hang_up()
         await rig.ended(runner)
 
@@ -302,7 +303,8 @@ def test_audio_items_deleted_by_the_client_leave_the_models_history():
         link.feed({"type": "conversation.item.delete", "event_id": "ev_running", "item_id": item3})
         await until(lambda: len(link.of("error")) == 4, "four errors")
         errors = {e["error"]["event_id"]: e["error"]["code"] for e in link.of("error")}
-        assert errors == {"ev_gone": "item_not_found", "ev_gone_t": "item_not_found", "ev_unanswered": "item_not_deletable",
+        assert errors == {"ev_gone": "item_delete_invalid_item_id", "ev_gone_t": "item_truncate_invalid_item_id",
+                          "ev_unanswered": "item_not_deletable",
                           "ev_running": "item_not_deletable"}
         assert len([c for c in conv.calls if c[0] == "delete_turn"]) == 2 and answer3
         link.hang_up()

@@ -190,16 +190,14 @@ def test_a_model_without_text_refuses_each_text_field_by_name():
     run(main)
 
 
-def test_transcription_fields_the_model_cannot_honour_are_refused_by_name():
+def test_transcription_hints_are_accepted_and_echoed_and_unknown_fields_refused_by_name():
     async def main():
         rig = Rig(FakeEngine(answer_ms=200), {"vad": {"enabled": False}})
         link = MemoryLink()
         runner = rig.open(link)
         asks = [
-            ({"audio": {"input": {"transcription": {"model": "gpt-4o-transcribe", "language": "fr"}}}},
-             "session.audio.input.transcription.language"),
-            ({"input_audio_transcription": {"model": "whisper-1", "prompt": "names"}}, "session.input_audio_transcription.prompt"),
             ({"audio": {"input": {"transcription": {"model": "x", "colour": "red"}}}}, "session.audio.input.transcription.colour"),
+            ({"audio": {"input": {"transcription": {"model": "x", "language": ["fr"]}}}}, "session.audio.input.transcription.language"),
             ({"output_modalities": ["audio", "text"]}, "session.output_modalities"),
         ]
         for ev, _ in asks:
@@ -207,10 +205,16 @@ def test_transcription_fields_the_model_cannot_honour_are_refused_by_name():
         # beta's ["text", "audio"] meant audio with its transcript: honoured as audio
         link.feed({"type": "session.update", "session": {"modalities": ["text", "audio"],
                                                          "input_audio_transcription": {"model": "whisper-1", "language": ""}}})
-        await until(lambda: len(link.of("session.updated")) == len(asks) + 1, "the updates")
+        # language and prompt are hints (OpenAI's too): accepted and echoed; the model writes what it heard
+        link.feed({"type": "session.update", "session": {"input_audio_transcription": {"model": "gpt-4o-transcribe", "language": "fr",
+                                                                                      "prompt": "names"}}})
+        await until(lambda: len(link.of("session.updated")) == len(asks) + 2, "the updates")
         assert [e["error"]["param"] for e in link.of("error")] == [p for _, p in asks]
-        last = link.of("session.updated")[-1]["session"]
-        assert last["output_modalities"] == ["audio"] and last["audio"]["input"]["transcription"] == {"model": "whisper-1"}
+        updates = link.of("session.updated")
+        assert updates[-2]["session"]["output_modalities"] == ["audio"]
+        assert updates[-2]["session"]["audio"]["input"]["transcription"] == {"model": "whisper-1"}
+        assert updates[-1]["session"]["audio"]["input"]["transcription"] == {"model": "gpt-4o-transcribe", "language": "fr",
+                                                                             "prompt": "names"}
         assert rig.conv(runner).options_updates[-1].transcribe_user
         link.hang_up()
         await rig.ended(runner)

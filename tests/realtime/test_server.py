@@ -157,6 +157,31 @@ def test_pcm16_turn_over_websocket(gateway, speech):
     assert len(audio) > 0 and done["response"]["duplex"]["ttfa_ms"] is not None
 
 
+def test_max_output_tokens_bounds_each_answer_on_the_real_engine(gateway, speech):
+    """max_output_tokens N (docs/protocol.md, "Every session field"): an answer of at most N model steps,
+    20 ms of audio each; the session's, then one response's own; "inf": the server's max_response_ms."""
+    async def main():
+        c = await connect(gateway)
+        await c.send(type="session.update", session={"max_output_tokens": 10, "audio": {"input": {"turn_detection": None}}})
+        await c.wait_for("session.updated")
+        pcm = utterance(speech, "tell me a long story about the sea", tail_ms=200)
+        for i in range(0, pcm.size, 24 * 100):
+            await c.send(type="input_audio_buffer.append", audio=base64.b64encode(pcm[i:i + 2400].astype("<i2").tobytes()).decode())
+        await c.send(type="input_audio_buffer.commit")
+        dones = []
+        for response in ({}, {"max_output_tokens": 3}, {"max_output_tokens": "inf"}):
+            await c.send(type="response.create", response=response)
+            dones.append(await c.wait_for("response.done", after=len(c.events)))
+        await c.close()
+        return c, [d["response"] for d in dones]
+
+    c, (session_bound, own_bound, unbounded) = run(main())
+    assert [e for e in c.events if e["type"] == "error"] == []
+    assert 0 < session_bound["duplex"]["audio_ms"] <= 200.0
+    assert 0 < own_bound["duplex"]["audio_ms"] <= 60.0
+    assert unbounded["duplex"]["audio_ms"] > 200.0  # so the bounds above are what cut the answers
+
+
 def test_binary_opus_turn(gateway, speech):
     async def main():
         c = await connect(gateway)
@@ -347,7 +372,7 @@ def test_bad_inputs_get_errors_and_the_session_continues(gateway, speech):
         (json.dumps({"type": "input_audio_buffer.append", "audio": "!!!"}), "invalid_base64"),
         (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}), "invalid_audio"),
         (b"\x01\xff\xfe\xfd\x00\x00corrupt", "invalid_audio"),
-        (json.dumps({"type": "conversation.item.truncate", "item_id": "item_x", "audio_end_ms": 5}), "item_not_found"),
+        (json.dumps({"type": "conversation.item.truncate", "item_id": "item_x", "audio_end_ms": 5}), "item_truncate_invalid_item_id"),
         (json.dumps({"type": "response.cancel"}), "response_cancel_not_active"),
     ]
 
@@ -362,7 +387,7 @@ def test_bad_inputs_get_errors_and_the_session_continues(gateway, speech):
         added = await c.wait_for("response.output_item.added")
         await c.wait_for("response.done")
         await c.send(type="conversation.item.truncate", item_id=added["item"]["id"], content_index=0, audio_end_ms=10**7)
-        await c.wait_for("error", pred=lambda e: e["error"]["code"] == "audio_end_ms_out_of_range")
+        await c.wait_for("error", pred=lambda e: e["error"]["code"] == "invalid_value" and e["error"]["param"] == "audio_end_ms")
         # an oversize message closes with 1009; the server and other sessions are fine
         other = await connect(gateway)
         await c.ws.send("x" * (300 * 1024))

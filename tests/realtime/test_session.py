@@ -497,7 +497,7 @@ def test_client_cancel_without_acks_uses_the_schedule():
     assert done.reason == "client_cancelled" and done.status is ResponseStatus.CANCELLED
     with pytest.raises(SessionError) as e:
         cancel_response(s, now, rec)
-    assert e.value.code == "response_cancel_not_active"
+    assert (e.value.code, e.value.message) == ("response_cancel_not_active", "Cancellation failed: no active response found")
 
 
 # ---- truncation -----------------------------------------------------------------------------------
@@ -512,13 +512,14 @@ def test_truncate_errors_and_cuts():
     assert sent_ms == 280.0
     with pytest.raises(SessionError) as e:
         truncate(s, "item_nope", 10, now, rec)
-    assert (e.value.code, e.value.param) == ("item_not_found", "item_id")
+    assert (e.value.code, e.value.param) == ("item_truncate_invalid_item_id", "item_id")
     with pytest.raises(SessionError) as e:
         truncate(s, item, sent_ms + 1, now, rec)
-    assert (e.value.code, e.value.param) == ("audio_end_ms_out_of_range", "audio_end_ms")
+    assert (e.value.code, e.value.param, e.value.message.split(" (")[0]) == (
+        "invalid_value", "audio_end_ms", "Audio content of 280ms is already shorter than 281ms")  # OpenAI's wording
     with pytest.raises(SessionError) as e:
         truncate(s, item, -1, now, rec)
-    assert e.value.code == "audio_end_ms_out_of_range"
+    assert e.value.code == "invalid_value"
     rec.clear()
     truncate(s, item, 200, now, rec)  # of the running answer: cancels it at 200 ms
     assert rec.of(CancelResponse) == [CancelResponse(rid, 200.0)] and rec.of(TruncateResponse) == []
@@ -546,7 +547,7 @@ def test_truncate_after_completion_recuts_the_engine_turn_of_any_item_in_the_his
     assert rec.of(TruncateResponse) == [TruncateResponse(rid, 100.0)] and rec.of(CancelResponse) == []
     with pytest.raises(SessionError) as e:
         truncate(s, item, 500, now, rec)
-    assert (e.value.code, e.value.param) == ("audio_end_ms_out_of_range", "audio_end_ms")
+    assert (e.value.code, e.value.param) == ("invalid_value", "audio_end_ms")
 
 
 # ---- engine errors and late chunks ----------------------------------------------------------------
