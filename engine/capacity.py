@@ -6,7 +6,10 @@ smallest bound is the capacity (`limited_by` names it):
 - **engine**: the engine core's threads. Every step makes one 20 ms frame for every answering
   conversation, so a batch of b is real time while step_time(b) <= the frame period. Step times
   per batch size are averaged (warm-up, then live decode steps), step_time(b) = a + c*b is fitted
-  over them, and the bound is the largest b whose step fits `margin` of the period.
+  over the warm-up's, and the bound is the largest b whose step fits `margin` of the period. Once
+  live steps exist the fit is scaled by how much slower the last `live_window_s` of live steps were
+  than it at their batch sizes: the bound is re-measured under the real batch on this machine as it
+  is now (a busy neighbour, a slower machine than the warm-up saw), the warm-up keeping the shape.
 - **cpu**: the machine's cores (`cpu_cores`), which the OS shares among the gateway's process (the
   codec stage and the tokenizer when they run on the CPU, the VAD, the gateway, vLLM's front end),
   vLLM's engine-core process (its scheduler loop, and on a CPU engine its forward passes) and every
@@ -62,8 +65,11 @@ class CapacityModel:
     rank_max: int = 0  # conversations one rank can batch (its max_num_seqs); 0: max_conversations
     host_window_s: float = 60.0  # live host figures are over this much of the recent past
     min_session_s: float = 20.0  # session-seconds in the window before the measured cost is trusted
+    live_window_s: float = 30.0  # live step times this recent replace the warm-up's (and older ones) in the fit
     step_ms: dict[int, float] = field(default_factory=dict)  # rank 0's: batch size -> averaged step time
     rank_step_ms: list[dict[int, float]] = field(init=False, repr=False)  # every rank's, step_ms first
+    rank_live_at: list[dict[int, float]] = field(init=False, repr=False)  # every rank's: batch size -> last live step
+    rank_prior: list[dict[int, float]] = field(init=False, repr=False)  # every rank's warm-up: batch size -> step time
     _host: deque = field(default_factory=deque, repr=False)  # (t, dt, sessions, ours_cpu, other_cpu)
     _idle_samples: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -72,15 +78,40 @@ class CapacityModel:
         if self.ranks < 1:
             raise ValueError(f"ranks must be at least 1, got {self.ranks}")
         self.rank_step_ms = [self.step_ms] + [{} for _ in range(self.ranks - 1)]
+        self.rank_live_at = [{} for _ in range(self.ranks)]
+        self.rank_prior = [{} for _ in range(self.ranks)]
 
-    def observe(self, batch: int, step_ms: float, rank: int = 0) -> None:
-        """A step of `batch` requests took `step_ms` on engine rank `rank`."""
+    def observe(self, batch: int, step_ms: float, rank: int = 0, now: float | None = None) -> None:
+        """A step of `batch` requests took `step_ms` on engine rank `rank`: a live step of the real batch
+        at `now`, or (None) a warm-up measurement, a prior that live steps replace."""
         if batch < 1 or step_ms <= 0:
             return
         with self._lock:
             times = self.rank_step_ms[rank]
             old = times.get(batch)
             times[batch] = step_ms if old is None else (1 - self.ema) * old + self.ema * step_ms
+            if now is not None:
+                self.rank_live_at[rank][batch] = now
+            else:
+                self.rank_prior[rank][batch] = times[batch]
+
+    def _points(self, rank: int) -> list[tuple[int, float]]:
+        """The step times the fit runs over: once live steps exist, only the batch sizes stepped live within
+        `live_window_s` of the latest one, so the bound is re-measured under the real batch on this machine
+        as it is now (a warm-up on an idle machine, or an hour-old figure, says nothing of a busy one)."""
+        times, live = self.rank_step_ms[rank], self.rank_live_at[rank]
+        if live:
+            newest = max(live.values())
+            fresh = [(b, times[b]) for b, t in live.items() if t >= newest - self.live_window_s]
+            if fresh:
+                return sorted(fresh)
+        return sorted(times.items())
+
+    def live_samples(self, rank: int = 0) -> int:
+        """Batch sizes with a recent live step time (0: the warm-up's priors still decide)."""
+        with self._lock:
+            live = self.rank_live_at[rank]
+            return sum(1 for t in live.values() if t >= max(live.values()) - self.live_window_s) if live else 0
 
     def observe_host(self, now: float, dt: float, sessions: int, ours_cpu: float, other_cpu: float) -> None:
         """One sample over the `dt` seconds before `now`: `ours_cpu` cores busy in the gateway's process and
@@ -105,8 +136,23 @@ class CapacityModel:
             self.per_session_measured = busy / session_s
 
     def predicted_step_ms(self, batch: int, rank: int = 0) -> float:
+        """The step time of a batch of `batch` on rank `rank`. Once live steps exist, the warm-up's curve scaled
+        by how much slower (or faster) the recent live steps were than it at their batch sizes (the median
+        ratio): the live steps set the level on this machine now, the warm-up's measured batches the shape
+        (a few live batch sizes near each other, each noisy, would make a wild slope of their own)."""
         with self._lock:
-            points = sorted(self.rank_step_ms[rank].items())
+            live = self._points(rank) if self.rank_live_at[rank] else []
+            prior = sorted(self.rank_prior[rank].items())
+        if live and prior:
+            ratios = sorted(t / max(self._fit(prior, b), 1e-6) for b, t in live)
+            return ratios[len(ratios) // 2] * self._fit(prior, batch)
+        with self._lock:
+            points = self._points(rank)
+        return self._fit(points, batch)
+
+    @staticmethod
+    def _fit(points: list[tuple[int, float]], batch: int) -> float:
+        """step_time(b) = a + c*b fitted over `points` (one point: linear in batch above it, pessimistic)."""
         if not points:
             return 0.0
         if len(points) == 1:

@@ -56,11 +56,13 @@ from engine.sampling import SamplingConfig
 from engine.text import NoTextTokenizerError, TextDeltas, TextTokenizer
 from engine.service_api import (
     FRAME_MS,
+    NO_DEGRADATION,
     AtCapacity,
     AudioChunk,
     ConversationClosed,
     ConversationOptions,
     ConversationTooLong,
+    Degradation,
     EngineError,
     EngineHealth,
     EngineLoad,
@@ -298,6 +300,8 @@ class Conversation:
         self.id = session_id
         self._engine = engine
         self.rank = rank  # the engine rank (data parallelism) that runs all its requests: its prefix cache is there
+        self._requested = options  # the client's (update_options); `_options` is what answers run with
+        self._degradation = NO_DEGRADATION  # the gateway's overload control (degrade())
         self._options = options
         self._salt = engine.new_salt(session_id)
         self._turns: list[DialogueTurn] = []
@@ -341,8 +345,14 @@ class Conversation:
         if system != self._system_ids:
             self._system_ids = system
             self._salt = self._engine.new_salt(self.id)
-        self._options = options
+        self._requested = options
+        self._options = self._degradation.apply(options)
         self._sampling = _sampling_config(options)
+
+    def degrade(self, degradation: Degradation) -> None:
+        """Overload: the next answers run with `degradation.apply(options)` (no CFG shadow, a shorter cap)."""
+        self._degradation = degradation
+        self._options = degradation.apply(self._requested)
 
     def _tokenize_speaker(self, pcm: np.ndarray | None) -> asyncio.Future | None:
         """The speaker prompt's frames (at most the checkpoint's speaker_prompt_length), tokenized off the loop."""
@@ -1028,6 +1038,7 @@ class Engine:
         extra = {"limited_by": "capacity_override" if self.config.capacity_override is not None
                  else model.limited_by(self._feedback.ceiling), "bounds": model.bounds(),
                  "feedback_ceiling": self._feedback.ceiling,
+                 "live_step_batches": model.live_samples(),  # 0: the engine bound is still the warm-up's
                  "cpu_per_session": round(model.cpu_cost_per_session(), 4),
                  "other_cpu": round(model.other_cpu, 3), "fixed_cpu": round(model.fixed_cpu, 3)}
         step_ms = [model.predicted_step_ms(max(n, 1), r) for r, n in enumerate(responding)]
@@ -1230,7 +1241,7 @@ class Engine:
             async for step_chunk in self.llm.stream_steps(request, response.id, rank):
                 response.cached_tokens = max(response.cached_tokens, step_chunk.num_cached_tokens)
                 if step_chunk.engine_tokens == step_chunk.engine_batch:  # pure decode steps only
-                    self._capacity.observe(step_chunk.engine_batch, step_chunk.engine_step_ms, rank)
+                    self._capacity.observe(step_chunk.engine_batch, step_chunk.engine_step_ms, rank, time.monotonic())
                 new = [assembler.push(row) for row in step_chunk.steps]
                 frames = np.concatenate(new) if new else np.zeros((0, vocab.NUM_STREAMS), np.int64)
                 if len(frames):

@@ -17,6 +17,7 @@ The gateway (realtime/) imports this module and nothing else from engine/ at imp
     handle.cancel(played_ms)                             # barge-in: stop; history keeps what was played
     conv.truncate(response_id, played_ms)                # cut a finished answer (the client stopped playing it)
     conv.suspend(); conv.resume()                        # client away: its slot is free, its history kept
+    conv.degrade(Degradation(cfg=False, max_response_ms=2000))  # overload: cheaper next answers (NO_DEGRADATION: back)
     await conv.close()
     engine.health(), engine.load(), engine.report_delivery(chunks, late, underruns)   # admission control
 
@@ -29,6 +30,7 @@ engine; realtime answers keep priority in its scheduler:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -101,6 +103,34 @@ class ConversationOptions:
 
 
 DEFAULT_OPTIONS = ConversationOptions()  # the gateway's config and session defaults derive from it
+
+
+def uses_guidance(cfg_scale: float) -> bool:
+    """Whether answers with this `cfg_scale` run CFG's unconditional shadow (two rows each): w != 1."""
+    return abs(float(cfg_scale) - 1.0) > 1e-6
+
+
+@dataclass(frozen=True)
+class Degradation:
+    """What the gateway's overload control (realtime/overload.py) takes from a conversation's next answers
+    while the engine falls behind, cheapest for quality first: `cfg` False runs them without CFG's
+    unconditional shadow (one row instead of two; cfg_scale 1), `max_response_ms` caps their length below
+    the options' own. An answer already generating keeps what it started with. `Degradation()` is none:
+    the options apply as given (session.update's still do, under any degradation)."""
+
+    cfg: bool = True
+    max_response_ms: float | None = None
+
+    def apply(self, options: ConversationOptions) -> ConversationOptions:
+        """The options the next answer runs with."""
+        cfg = options.cfg_scale if self.cfg else 1.0
+        ms = options.max_response_ms if self.max_response_ms is None else min(options.max_response_ms, self.max_response_ms)
+        if (cfg, ms) == (options.cfg_scale, options.max_response_ms):
+            return options
+        return dataclasses.replace(options, cfg_scale=cfg, max_response_ms=ms)
+
+
+NO_DEGRADATION = Degradation()
 
 
 @dataclass(frozen=True)
@@ -223,6 +253,10 @@ class Conversation(Protocol):
     id: str
 
     def update_options(self, options: ConversationOptions) -> None: ...
+
+    def degrade(self, degradation: Degradation) -> None:
+        """Overload (realtime/overload.py): the next answers run with `degradation.apply(options)`, whatever
+        options `update_options` sets meanwhile; `NO_DEGRADATION` gives them back. Never blocks."""
 
     def push_user_audio(self, pcm_16k: np.ndarray) -> None: ...
 

@@ -4,9 +4,11 @@
     await admission.run(runner)                                         # to its end; never raises
 
 `open_session` makes the session (with the server's VAD and pacing settings, or a transport's own),
-its protocol, its engine conversation (the gateway's cap first, then the engine's measured capacity)
-and its runner, and registers it at once, so a session still connecting (a WebRTC data channel
-opening) counts against the cap. `run` runs it, then frees its conversation and counts why it ended.
+its protocol, its engine conversation (the gateway's cap first, then slow start, then the engine's
+measured capacity) and its runner, and registers it at once, so a session still connecting (a WebRTC
+data channel opening) counts against the cap. `run` runs it, then frees its conversation and counts
+why it ended. `overload` (realtime/overload.py) admits new sessions in steps live data confirms and
+degrades the admitted calls' answers when the engine falls behind.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from opentelemetry.trace import Tracer
+
 from engine.service_api import AtCapacity, EngineLike
 from realtime.config import ServerConfig
 from realtime.credentials import same_secret
 from realtime.link import Link
 from realtime.messages import CloseReason
 from realtime.metrics import GatewayMetrics
+from realtime.overload import OverloadControl
 from realtime.runner import AudioOut, RunnerDeps, SessionRunner, WireProtocol
 from realtime.session import Session, SessionLimits, new_id
 from realtime.vad import VadParams
@@ -31,7 +36,9 @@ SERVER_VAD = object()  # open_session's default turn detection: the server confi
 
 
 class Admission:
-    def __init__(self, engine: EngineLike, config: ServerConfig, metrics: GatewayMetrics, vad: VadBatcher | None) -> None:
+    def __init__(self, engine: EngineLike, config: ServerConfig, metrics: GatewayMetrics, vad: VadBatcher | None,
+                 tracer: Tracer | None = None) -> None:
+        """`tracer`: sessions that turn session.tracing on record spans with it (realtime/tracing.py)."""
         self.engine = engine
         self.config = config
         self.metrics = metrics
@@ -39,10 +46,12 @@ class Admission:
         self.closing = False  # the server is stopping: nobody is admitted, lost links are not kept
         self.draining = False  # the server is draining: no new session; running ones (and their resumes) go on
         self.deps = RunnerDeps(config.limits, metrics, vad, lambda: self.closing, lambda: self._gateway_full(resume=True),
-                               engine.report_delivery)
+                               engine.report_delivery, tracer)
         self._idle = asyncio.Event()  # no session registered
         self._idle.set()
         self._background: set[asyncio.Task] = set()
+        self.overload = OverloadControl(config.limits.overload, engine, metrics, config.limits.retry_after_s,
+                                        lambda: list(self.sessions.values()))
 
     def new_session(self, vad: VadParams | None | object = SERVER_VAD, output_frame_ms: int | None = None,
                     acked_playback: bool = False) -> Session:
@@ -52,7 +61,8 @@ class Admission:
         limits = SessionLimits(output_frame_ms or a.output_frame_ms, a.lead_ms, self.config.limits.max_turn_ms,
                                acked_playback=acked_playback)
         turn_detection = self.config.vad.params() if vad is SERVER_VAD else vad
-        return Session(new_id("sess"), turn_detection, limits, vad_deferred=self.deps.vad is not None)
+        return Session(new_id("sess"), turn_detection, limits, vad_deferred=self.deps.vad is not None,
+                       noise_reduction=self.config.session.noise_reduction)
 
     def open_session(self, transport: str, link: Link, proto: WireProtocol, resume_token: str | None = None,
                      audio_out: AudioOut | None = None) -> SessionRunner:
@@ -63,6 +73,7 @@ class Admission:
         runner = SessionRunner(self.deps, link, proto, conv, transport, resume_token, audio_out)
         self.sessions[runner.id] = runner
         self._idle.clear()
+        self.overload.admitted(runner, self._holding())
         self.metrics.sessions_total.inc()
         self.metrics.sessions_active.inc()
         log.info("session %s (%s) start: %d open", runner.id, transport, len(self.sessions))
@@ -102,6 +113,8 @@ class Admission:
         m = self.metrics
         m.sessions_ended.labels(runner.transport, runner.end_reason().label).inc()
         m.client_errors.inc(runner.proto.client_errors)
+        if runner.proto.offered_tools:
+            m.sessions_with_tools.inc()
         for status in runner.session.response_statuses():
             m.responses.labels(status.name.lower()).inc()
         runner.log_end()
@@ -128,6 +141,7 @@ class Admission:
     async def stop(self) -> None:
         """Tell every session the server is going away and wait for them to close."""
         self.closing = True
+        self.overload.stop()
         for runner in list(self.sessions.values()):
             runner.shutdown(CloseReason.SERVER_SHUTDOWN, "server_shutting_down", "the server is shutting down")
         tasks = [r.task for r in self.sessions.values() if r.task] + list(self._background)
@@ -142,15 +156,18 @@ class Admission:
             return "the server is shutting down"
         if self.draining and not resume:
             return "the server is draining (it takes no new sessions; another replica does)"
-        holding = sum(1 for r in self.sessions.values() if not r.suspended)
+        holding = self._holding()
         if cap is not None and holding >= cap:
             return f"server at capacity: {holding} sessions active (limit {cap})"
         return None
 
+    def _holding(self) -> int:
+        return sum(1 for r in self.sessions.values() if not r.suspended)
+
     def full(self) -> str | None:
-        """Why a new session would be refused now (the gateway's cap, the engine's capacity, a stop), or None:
-        /healthz's `at_capacity`, so a load balancer sends callers elsewhere before they are refused."""
-        if (why := self._gateway_full()) is not None:
+        """Why a new session would be refused now (the gateway's cap, slow start, the engine's capacity, a stop),
+        or None: /healthz's `at_capacity`, so a load balancer sends callers elsewhere before they are refused."""
+        if (why := self._gateway_full() or self.overload.would_refuse(self._holding())) is not None:
             return why
         load = self.engine.load()
         if load.conversations >= load.capacity:
@@ -158,11 +175,17 @@ class Admission:
         return None
 
     def _open_conversation(self, session_id: str, proto: WireProtocol):
+        reason = "capacity"
         try:
             if (why := self._gateway_full()) is not None:
                 raise AtCapacity(why)
+            if (why := self.overload.refusal(self._holding())) is not None:
+                load = self.engine.load()
+                if load.conversations < load.capacity:  # else the engine's own capacity refuses (and says so)
+                    reason = "slow_start"
+                    raise AtCapacity(why)
             return self.engine.open_conversation(session_id, proto.engine_options())
         except AtCapacity as e:
-            self.metrics.sessions_refused.labels("capacity").inc()
+            self.metrics.sessions_refused.labels(reason).inc()
             e.retry_after_s = self.config.limits.retry_after_s
             raise

@@ -20,6 +20,7 @@ from pathlib import Path
 from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
 from engine.service_api import DEFAULT_RETENTION_RATIO, ConversationOptions
 from realtime.input_budget import InputLimits
+from realtime.noise_suppression import NOISE_REDUCTION_TYPES
 from realtime.vad import VadParams
 
 
@@ -33,6 +34,41 @@ class ServerSection:
     # written into resume tokens and Twilio stream URLs, so the balancer routes them back here
     # (deploy/haproxy.cfg, docs/scaling.md). None: one server, tokens name nothing.
     replica_id: str | None = None
+
+
+@dataclass(frozen=True)
+class OverloadLimits:
+    """`limits.overload` in the server config: slow start of admissions and degradation of admitted calls
+    (realtime/overload.py)."""
+
+    slow_start: bool = True
+    first_step: int = 4  # sessions admitted before live data confirms anything (and at most the priors' capacity)
+    max_step: int = 8  # the most new sessions one confirmation window lets in
+    confirm_s: float = 5.0  # a confirmation window
+    confirm_chunks: int = 50  # audio chunks a window needs before it confirms anything (silence proves nothing)
+    on_time_share: float = 0.995  # chunks not late beyond the client's lead, for a window to confirm
+    degrade: bool = True
+    window_s: float = 3.0  # lateness is judged over this much of the recent past
+    late_share: float = 0.05  # chunks past the engine's deadline (inside the client's lead) that mean "falling behind"
+    min_late: int = 3  # ... and at least this many
+    escalate_s: float = 2.0  # at most one degradation step this often
+    shed_after_s: float = 5.0  # at the last step and still late this long: the newest session is ended
+    shed_gaps: int = 2  # ... "late": at least this many chunks heard late (beyond the lead, or underruns) in the window
+    recover_s: float = 10.0  # on time this long: one step undone
+    short_response_ms: float = 2000.0  # the answers' cap at the second step
+    tick_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        checks = (("first_step", self.first_step >= 1), ("max_step", self.max_step >= 1),
+                  ("confirm_s", self.confirm_s > 0), ("confirm_chunks", self.confirm_chunks >= 0),
+                  ("on_time_share", 0.0 <= self.on_time_share <= 1.0), ("window_s", self.window_s > 0),
+                  ("late_share", 0.0 <= self.late_share <= 1.0), ("min_late", self.min_late >= 1),
+                  ("escalate_s", self.escalate_s >= 0), ("shed_after_s", self.shed_after_s >= 0), ("shed_gaps", self.shed_gaps >= 1),
+                  ("recover_s", self.recover_s >= 0), ("short_response_ms", self.short_response_ms >= 100),
+                  ("tick_s", self.tick_s > 0))
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"limits.overload.{name}: out of range ({getattr(self, name)!r})")
 
 
 @dataclass(frozen=True)
@@ -53,6 +89,7 @@ class LimitsSection:
     resume_grace_s: float = 30.0  # a /v1/realtime session whose connection dropped is kept this long for a resume; 0: never
     resume_buffer_bytes: int = 1 << 20  # sent messages kept per session for replay on resume (newest first)
     input: InputLimits = InputLimits()  # what one client may send per second (a nested section: limits.input.audio_rate ...)
+    overload: OverloadLimits = OverloadLimits()  # slow start of admissions, degradation of admitted calls (realtime/overload.py)
 
 
 @dataclass(frozen=True)
@@ -110,6 +147,9 @@ class SessionSection:
     # (output_modalities ["text"]) write their text whatever this says. Needs a model with a text
     # tokenizer (ignored, with a warning at start, without one).
     assistant_text: bool = ENGINE_DEFAULTS.assistant_text
+    # OpenAI's audio.input.noise_reduction type: the user's audio passes a noise suppressor before the
+    # VAD and the model ("near_field", "far_field": realtime/noise_suppression.py); None: off
+    noise_reduction: str | None = None
 
     def problems(self) -> list[tuple[str, str]]:
         """The settings the engine would refuse, as (field, why): session.update and the config refuse
@@ -124,6 +164,7 @@ class SessionSection:
             ("max_response_ms", 0.0 < self.max_response_ms <= 600_000.0, "must be within (0, 600000]"),
             ("truncation", self.truncation in TRUNCATION_MODES, f"must be one of {', '.join(TRUNCATION_MODES)}"),
             ("retention_ratio", 0.0 < self.retention_ratio <= 1.0, "must be within (0, 1]"),
+            ("noise_reduction", self.noise_reduction in (None, *NOISE_REDUCTION_TYPES), f"must be {' or '.join(NOISE_REDUCTION_TYPES)} or null"),
         )
         return [(name, why) for name, ok, why in checks if not ok]
 
@@ -136,9 +177,9 @@ class SessionSection:
                                    assistant_text=self.assistant_text)
 
 
-# The session settings the engine's options are made of (all but the server's voice table): a change
-# to any of them must reach the conversation.
-ENGINE_KEYS = tuple(f.name for f in fields(SessionSection) if f.name != "voices")
+# The session settings the engine's options are made of (all but the server's voice table and the
+# gateway's own noise suppression): a change to any of them must reach the conversation.
+ENGINE_KEYS = tuple(f.name for f in fields(SessionSection) if f.name not in ("voices", "noise_reduction"))
 
 
 # Phone calls (8 kHz mu-law, line noise, the caller's speakerphone echoing us): a stricter threshold

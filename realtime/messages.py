@@ -102,6 +102,7 @@ class Shutdown:
     reason: CloseReason
     code: str
     message: str
+    retry_after_s: float | None = None  # the error event tells the client when to call again
 
 
 Inbound = (ClientMessage | TransportAudio | LinkClosed | Attach | EngineChunk | EngineFailed | UserTranscript | UserTranscriptEnd
@@ -118,6 +119,7 @@ class CloseReason(Enum):
     SLOW_CLIENT = ("slow_client", 1008)
     CONNECTION_LOST = ("connection_lost", 1001)  # not resumed within the grace
     SERVER_SHUTDOWN = ("server_shutdown", 1001)
+    SERVER_OVERLOADED = ("server_overloaded", 1013)  # the newest call, ended so the others stay on time (realtime/overload.py)
     POLICY = ("policy", 1008)
 
     def __init__(self, label: str, close_code: int) -> None:

@@ -25,6 +25,8 @@ class GatewayMetrics:
         self.barge_ins = Counter("duplex_barge_ins", "Responses interrupted by user speech", registry=r)
         self.responses = Counter("duplex_responses", "Responses by final status", ["status"], registry=r)
         self.client_errors = Counter("duplex_client_errors", "error events sent for bad client input", registry=r)
+        self.sessions_with_tools = Counter("duplex_sessions_with_tools", "Ended sessions whose client offered function tools "
+                                           "(accepted under tool_choice auto/none; OpusLM calls none)", registry=r)
         self.input_frames = Counter("duplex_input_frames", "Client audio frames consumed by sessions (all transports)", registry=r)
         self.sessions_ended = Counter("duplex_sessions_ended", "Sessions ended, by transport and reason", ["transport", "reason"], registry=r)
         self.handshakes_incomplete = Counter("duplex_handshakes_incomplete", "Connections closed before a complete HTTP request (slow or dropped handshakes)", registry=r)
@@ -51,6 +53,15 @@ class GatewayMetrics:
                                          ["resource"], registry=r)
         self.capacity_bound = Gauge("duplex_capacity_bound", "Each resource's bound on the conversations served on time",
                                     ["resource"], registry=r)
+        # overload control (realtime/overload.py): slow start, and the degradation of admitted calls
+        self.slow_start_allowed = Gauge("duplex_slow_start_allowed", "Sessions slow start admits at most now (confirmed + step)",
+                                        registry=r)
+        self.slow_start_confirmed = Gauge("duplex_slow_start_confirmed", "Sessions open at once whose audio live data showed on time",
+                                          registry=r)
+        self.overload_steps = Counter("duplex_overload_steps", "Degradation steps taken: cfg_off, short, shed (the newest "
+                                      "session ended) and back: length_back, cfg_on", ["step"], registry=r)
+        self.degraded_sessions = Gauge("duplex_degraded_sessions", "Sessions whose next answers run degraded: cfg_off "
+                                       "(no CFG shadow), short (capped length)", ["step"], registry=r)
         # several engine ranks (engine.data_parallel_size): each rank's share, from engine.load().extra["ranks"]
         self.rank_conversations = Gauge("duplex_engine_rank_conversations", "Engine conversations on each engine rank",
                                         ["rank"], registry=r)

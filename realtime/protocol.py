@@ -35,13 +35,14 @@ from realtime.session import (
 )
 from realtime.session_input import (
     AddUserItem, AudioIn, CancelRequested, ClearInput, ClearOutput, CommitInput, CreateResponse, DeleteItem, Played,
-    SessionInput, SetTurnDetection, TruncateItem,
+    SessionInput, SetNoiseReduction, SetTurnDetection, TruncateItem,
 )
 from realtime.vad import VadParams
 from realtime.conversation_items import ConversationItems, Item, parse_new_item
 from realtime.response_request import parse_response_request
-from realtime.session_update import echo_turn_detection, parse_session_update
-from realtime.wire_fields import ClientError, get_field as _get, number as _number
+from realtime.session_update import TOKEN_MS, echo_turn_detection, parse_session_update
+from realtime.tracing_config import TracingConfig
+from realtime.wire_fields import ClientError, Notice, get_field as _get, number as _number
 
 BINARY_OPUS = 0x01  # first byte of a binary frame carrying one Opus packet
 _EPOCH = struct.Struct("<I")
@@ -77,7 +78,11 @@ class SessionSettings(SessionSection):
     input_format: WireFormat = WireFormat.PCM16
     output_format: WireFormat = WireFormat.PCM16
     output_modalities: tuple[str, ...] = ("audio",)  # ("text",): text-only answers
+    tools: tuple[dict, ...] = ()  # session.tools as echoed: listed, never offered to the model (realtime/tools.py)
+    tool_choice: str = "auto"  # "auto" | "none": OpusLM calls no tool either way
+    max_output_tokens: int | str = "inf"  # N: each answer at most N steps (N × 20 ms of audio, N text tokens)
     transcription: dict | None = None  # input transcription as echoed ({"model": ...}); None: off
+    tracing: TracingConfig | None = None  # session.tracing; None: off (realtime/tracing.py records the on ones)
     voice_pcm: dict = field(default_factory=dict, compare=False, repr=False)  # the server's voices, loaded: name -> 16 kHz PCM
 
     @classmethod
@@ -87,12 +92,21 @@ class SessionSettings(SessionSection):
     def engine_options(self, output_modalities: tuple[str, ...] | None = None) -> ConversationOptions:
         """`output_modalities`: one answer's own (response.create), else the session's."""
         text_only = (output_modalities or self.output_modalities) == ("text",)
-        return replace(super().engine_options(self.voice_pcm), transcribe_user=self.transcription is not None,
+        opts = replace(super().engine_options(self.voice_pcm), transcribe_user=self.transcription is not None,
                        assistant_text=self.assistant_text or text_only, output_audio=not text_only)
+        if (n := self.max_output_tokens) != "inf":  # N steps of the model: the answer's audio frames and its text tokens
+            opts = replace(opts, max_response_ms=min(opts.max_response_ms, n * TOKEN_MS), max_text_tokens=min(opts.max_text_tokens, n))
+        return opts
+
+    def effective_max_output_tokens(self) -> int | str:
+        """What session.updated echoes: the bound in force, in steps (`max_response_ms` may be the smaller)."""
+        if self.max_output_tokens == "inf":
+            return "inf"
+        return min(self.max_output_tokens, max(1, int(self.max_response_ms // TOKEN_MS)))
 
 
 # the settings the engine's options are made of: a change to one must reach the conversation
-_ENGINE_KEYS = (*ENGINE_KEYS, "output_modalities", "transcription")
+_ENGINE_KEYS = (*ENGINE_KEYS, "output_modalities", "transcription", "max_output_tokens")
 
 _MAX_MS = 24 * 3600 * 1000.0  # a day of audio: beyond any answer's or turn's length
 
@@ -122,6 +136,8 @@ class RealtimeProtocol:
         self.settings = settings or SessionSettings()
         self.settings_changed = False  # set by session.update when the engine's options changed
         self.client_errors = 0  # error events answering bad client input (the gateway counts them)
+        self.offered_tools = False  # the client listed function tools (duplex_sessions_with_tools counts such sessions)
+        self._notices: list[Notice] = []  # fields accepted as hints by the last update: duplex.notice (opted-in clients)
         self.closing: tuple[int, str] | None = None  # this protocol never ends a session by itself
         self._out: list[str | bytes] = []
         self._inputs: list[SessionInput] = []
@@ -152,18 +168,18 @@ class RealtimeProtocol:
     def _emit(self, event_type: str, **fields) -> None:
         self._out.append(json.dumps({"type": event_type, "event_id": f"event_{next(self._event_ids)}", **fields}, separators=(",", ":")))
 
-    def _error(self, e: ClientError | SessionError, client_event_id: str | None) -> None:
+    def _error(self, e: ClientError | SessionError, client_event_id: str | None, retry_after_s: float | None = None) -> None:
         error_type = getattr(e, "error_type", "invalid_request_error")  # SessionError: always the client's
         if error_type != "server_error":
             self.client_errors += 1
-        self._emit("error", error={
-            "type": error_type, "code": e.code, "message": e.message,
-            "param": e.param, "event_id": client_event_id,
-        })
+        error = {"type": error_type, "code": e.code, "message": e.message, "param": e.param, "event_id": client_event_id}
+        if retry_after_s is not None:  # as the capacity refusal's error event (server_overloaded)
+            error["retry_after_s"] = retry_after_s
+        self._emit("error", error=error)
 
-    def error(self, code: str, message: str, error_type: str = "server_error") -> None:
-        """A server-side error event (capacity, slow client, idle timeout...)."""
-        self._error(ClientError(code, message, None, error_type), None)
+    def error(self, code: str, message: str, error_type: str = "server_error", retry_after_s: float | None = None) -> None:
+        """A server-side error event (capacity, slow client, idle timeout, overload: with `retry_after_s`)."""
+        self._error(ClientError(code, message, None, error_type), None, retry_after_s)
 
     def open(self) -> None:
         refused: list[ClientError] = []
@@ -172,9 +188,15 @@ class RealtimeProtocol:
         self._emit("session.created", session=self._session_object(), **(self._resume_fields() if self.extensions else {}))
         if refused:
             self._error(_one_error(refused), None)
+        self._send_notices(None)
 
     def _resume_fields(self) -> dict:
         return {} if self.resume is None else {"resume_token": self.resume.token, "resume_grace_s": self.resume.grace_s}
+
+    @property
+    def tracing(self) -> TracingConfig | None:
+        """The client's session.tracing: the runner records the session's spans while it is on."""
+        return self.settings.tracing
 
     @property
     def resumable(self) -> bool:
@@ -191,8 +213,11 @@ class RealtimeProtocol:
         return json.dumps({"type": "session.resumed", "event_id": f"event_{next(self._event_ids)}", "session": self._session_object(),
                            "last_seq": last_seq, "replayed": replayed, "missed": missed}, separators=(",", ":"))
 
-    def engine_options(self, output_modalities: tuple[str, ...] | None = None) -> ConversationOptions:
-        return replace(self.settings, instructions=self._instructions()).engine_options(output_modalities)
+    def engine_options(self, output_modalities: tuple[str, ...] | None = None,
+                       max_output_tokens: int | str | None = None) -> ConversationOptions:
+        """The session's options, or one answer's: its own output modalities and max_output_tokens (response.create)."""
+        own = {} if max_output_tokens is None else {"max_output_tokens": max_output_tokens}
+        return replace(self.settings, instructions=self._instructions(), **own).engine_options(output_modalities)
 
     def take_engine_options(self) -> ConversationOptions | None:
         if not self.settings_changed:
@@ -273,13 +298,18 @@ class RealtimeProtocol:
         req = parse_response_request(_get(ev, "response", dict), self._instructions(), self.settings.voice, self.settings.temperature,
                                      self.text_model)
         own = req.output_modalities if req.output_modalities not in (None, self.settings.output_modalities) else None
-        self._inputs.append(CreateResponse(_event_id(ev), req.metadata, own))
+        system = None if req.instructions is None else self._instructions(req.instructions)  # this answer's system text
+        tokens = req.max_output_tokens if req.max_output_tokens != self.settings.max_output_tokens else None
+        self.offered_tools |= bool(req.tools)
+        self._inputs.append(CreateResponse(_event_id(ev), req.metadata, own, system, tokens))
+        self._notices.extend(req.notices)
+        self._send_notices(_event_id(ev))
 
     # ---- conversation items ----
     def _on_item_create(self, ev: dict, now: float) -> None:
         new = parse_new_item(ev, self.settings.input_format, new_id, self.text_model)
         if new.item.id in self._items or new.item.id in self._pending_items:
-            raise ClientError("item_already_exists", f"an item {new.item.id!r} already exists", "item.id")
+            raise ClientError("item_create_duplicate_item_id", f"an item with id {new.item.id!r} already exists", "item.id")
         if new.user_turn:  # audio or typed text: the session adds it (or refuses it: a turn or answer in progress)
             self._pending_items[new.item.id] = new.item
             self._inputs.append(AddUserItem(new.item.id, new.pcm, new.user_text, _event_id(ev)))
@@ -298,7 +328,7 @@ class RealtimeProtocol:
 
     def _on_item_delete(self, ev: dict, now: float) -> None:
         item_id = _get(ev, "item_id", str, required=True)
-        if self._items.get(item_id).in_engine:  # an audio turn: the session takes it out of the model's history
+        if self._items.get(item_id, "item_delete_invalid_item_id").in_engine:  # an audio turn: the session takes it out of the model's history
             self._inputs.append(DeleteItem(item_id, _event_id(ev)))
             return
         item = self._items.delete(item_id)
@@ -306,9 +336,9 @@ class RealtimeProtocol:
             self.settings_changed = True
         self._emit("conversation.item.deleted", item_id=item.id)
 
-    def _instructions(self) -> str:
-        """The session's instructions with the system messages' text after them."""
-        return "\n".join(t for t in (self.settings.instructions, self._items.system_text()) if t)
+    def _instructions(self, own: str | None = None) -> str:
+        """The session's instructions (`own`: one answer's, in their place) with the system messages' text after them."""
+        return "\n".join(t for t in (self.settings.instructions if own is None else own, self._items.system_text()) if t)
 
     def _on_response_cancel(self, ev: dict, now: float) -> None:
         self._inputs.append(CancelRequested(_get(ev, "response_id", str), _event_id(ev)))
@@ -336,6 +366,14 @@ class RealtimeProtocol:
             self._error(_one_error(refused), _event_id(ev))
         # A client that opts in after session.created learns its resume token here.
         self._emit("session.updated", session=self._session_object(), **(self._resume_fields() if opted_in_now else {}))
+        self._send_notices(_event_id(ev))
+
+    def _send_notices(self, event_id: str | None) -> None:
+        """duplex.notice (ours): each field just accepted as a hint, for clients that opted in to our additions."""
+        notices, self._notices = self._notices, []
+        if self.extensions:
+            for n in notices:
+                self._emit("duplex.notice", notice={"param": n.param, "message": n.message, "event_id": event_id})
 
     def preconfigure(self, cfg: dict) -> None:
         """A session config given with the connection (WebRTC's `calls.create(session=...)`): applied like a
@@ -344,6 +382,8 @@ class RealtimeProtocol:
 
     def _apply_update(self, cfg: dict, event_id: str | None) -> tuple[list[ClientError], bool]:
         upd = parse_session_update(cfg, self.settings, self.turn_detection, self._audio_started, self.text_model)
+        self._notices.extend(upd.notices)
+        self.offered_tools |= bool(upd.changes.get("tools"))
         opted_in_now = upd.opted_in and not self.extensions
         self.extensions |= upd.opted_in
         if upd.turn_detection_changed:
@@ -352,6 +392,8 @@ class RealtimeProtocol:
         s = replace(self.settings, **upd.changes)
         if s.input_format != self.settings.input_format:
             self._decoder = InputDecoder(s.input_format)
+        if s.noise_reduction != self.settings.noise_reduction:  # the gateway's own: the session suppresses, not the engine
+            self._inputs.append(SetNoiseReduction(s.noise_reduction, event_id))
         self.settings_changed |= any(getattr(s, k) != getattr(self.settings, k) for k in _ENGINE_KEYS)
         output_changed = s.output_format != self.settings.output_format
         self.settings = s
@@ -521,10 +563,13 @@ class RealtimeProtocol:
         obj = {
             "type": "realtime", "object": "realtime.session", "id": self.session_id, "model": s.model,
             "output_modalities": list(s.output_modalities), "instructions": s.instructions,
-            "audio": {"input": {"format": s.input_format.to_wire(), "transcription": s.transcription, "noise_reduction": None,
+            "audio": {"input": {"format": s.input_format.to_wire(), "transcription": s.transcription,
+                                "noise_reduction": None if s.noise_reduction is None else {"type": s.noise_reduction},
                                 "turn_detection": echo_turn_detection(self.turn_detection, self._turn_detection_wire, self.extensions)},
                       "output": {"format": s.output_format.to_wire(), "voice": s.voice, "speed": 1.0}},
-            "tools": [], "tool_choice": "auto", "max_output_tokens": "inf", "tracing": None, "truncation": self._truncation_wire(),
+            "tools": [dict(t) for t in s.tools], "tool_choice": s.tool_choice, "max_output_tokens": s.effective_max_output_tokens(),
+            "truncation": self._truncation_wire(),
+            "tracing": None if s.tracing is None else s.tracing.wire(),
             "prompt": None, "include": None,
         }
         if self.extensions:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from opentelemetry.trace import Tracer
 
 from engine.service_api import AtCapacity, Conversation, ConversationOptions, ResponseHandle
 from realtime.config import LimitsSection
@@ -50,6 +51,7 @@ from realtime.session import (
 )
 from realtime.input_budget import InputBudget
 from realtime.session_input import SessionInput, apply_inputs, rate_error
+from realtime.tracing import SessionTrace
 from realtime.vad_batch import VadBatcher
 
 log = logging.getLogger("duplex.gateway")
@@ -82,6 +84,7 @@ class WireProtocol(Protocol):
     session: Session
     closing: tuple[int, str] | None  # set when the protocol itself ends the session (e.g. Twilio `stop`)
     client_errors: int
+    offered_tools: bool  # the client listed function tools (session.tools or response.create's): counted at the end
 
     @property
     def resumable(self) -> bool:
@@ -97,11 +100,12 @@ class WireProtocol(Protocol):
 
     def data_to_send(self) -> list[str | bytes]: ...
 
-    def error(self, code: str, message: str) -> None: ...
+    def error(self, code: str, message: str, retry_after_s: float | None = None) -> None: ...
 
-    def engine_options(self, output_modalities: tuple[str, ...] | None = None) -> ConversationOptions:
+    def engine_options(self, output_modalities: tuple[str, ...] | None = None,
+                       max_output_tokens: int | str | None = None) -> ConversationOptions:
         """The engine options of the session's settings; of one answer's, when response.create asked it
-        for other output modalities."""
+        for other output modalities or another max_output_tokens."""
 
     def take_engine_options(self) -> ConversationOptions | None:
         """New engine options when the client changed them since the last call, else None."""
@@ -123,6 +127,7 @@ class RunnerDeps:
     server_closing: Callable[[], bool]  # True once the server stops: a lost link is then not kept for a resume
     gateway_full: Callable[[], str | None] = lambda: None  # why no session may take a slot now (the gateway's cap), or None
     report_delivery: Callable[[int, int, int], None] = lambda chunks, late, underruns: None  # to admission control
+    tracer: Tracer | None = None  # OpenTelemetry, when an exporter is configured (realtime/tracing.py); None: no spans
 
 
 class SessionInbox:
@@ -229,7 +234,9 @@ class SessionRunner:
         # respond(): the session's, or those of the answer's own output modalities (response.create).
         self._options = proto.engine_options()  # the session's (what the conversation was opened with)
         self._applied = self._options  # what the conversation has now
-        self._override: tuple[str, ...] | None = None  # the latest answer's own output modalities
+        self._override: tuple | None = None  # the latest answer's own (output modalities, max_output_tokens), if any
+        self._started_ns = time.time_ns()
+        self._trace: SessionTrace | None = None  # the client turned session.tracing on (and the server exports)
 
     async def run(self) -> None:
         self.task = asyncio.current_task()
@@ -239,6 +246,7 @@ class SessionRunner:
             # the conversation was opened before it, and a microphone's turn may come before any client event
             self._options = options
             self._use_options(options)
+        self._trace_if_asked()
         self._flush()
         self._start_link([])
         try:
@@ -262,6 +270,8 @@ class SessionRunner:
                 await self._close_link(self.link, closing.close_code, closing.text)
             if self._link_closers:
                 await asyncio.wait(self._link_closers, timeout=self.limits.close_timeout_s)
+            if self._trace is not None:
+                self._trace.end(self.end_reason().label, self.session.stats, self.proto.settings.model, self.resumes)
 
     async def attach(self, link: Link, last_seq: int) -> None:
         """Resume this session on a new link (the client received messages 1..last_seq).
@@ -288,9 +298,10 @@ class SessionRunner:
         """Messages numbered so far (the resume sequence); None when the session cannot be resumed."""
         return None if self._replay is None else self._replay.last_seq
 
-    def shutdown(self, reason: CloseReason, code: str, message: str) -> None:
-        """Ask the session task to send a final error event and close (server stop, idle timeout)."""
-        self.inbox.put_server(Shutdown(reason, code, message))
+    def shutdown(self, reason: CloseReason, code: str, message: str, retry_after_s: float | None = None) -> None:
+        """Ask the session task to send a final error event (with `retry_after_s`, if given) and close (server
+        stop, idle timeout, overload)."""
+        self.inbox.put_server(Shutdown(reason, code, message, retry_after_s))
 
     def end_reason(self) -> CloseReason:
         """Why the session ended, for `duplex_sessions_ended_total{reason}` and the log."""
@@ -495,7 +506,15 @@ class SessionRunner:
                         self._audio_out.clear(rid)
                     case ResponseDone(response_id=rid):
                         self._audio_out.finish(rid)
+        if self._trace is not None:
+            self._trace.observe(events, ("audio",) if self._options.output_audio else ("text",))
         self.proto.send_session_events(events)
+
+    def _trace_if_asked(self) -> None:
+        """The client turned session.tracing on (only the Realtime protocol has it): the session's span
+        starts, back-dated to the session's start. Once on it stays on (realtime/tracing_config.py)."""
+        if self._trace is None and self.deps.tracer is not None and (config := getattr(self.proto, "tracing", None)) is not None:
+            self._trace = SessionTrace(self.deps.tracer, config, self.id, self.transport, self._started_ns)
 
     def _sync_playback(self) -> None:
         r = self.session.response
@@ -525,7 +544,8 @@ class SessionRunner:
                 if (options := self.proto.take_engine_options()) is not None:
                     self.session.discard_speculation()  # it answers with the old settings
                     self._options = options  # applies from the conversation's next response on (an answer's own kept)
-                    self._use_options(options if self._override is None else self.proto.engine_options(self._override))
+                    self._use_options(options if self._override is None else self.proto.engine_options(*self._override))
+                self._trace_if_asked()
             case TransportAudio(pcm):
                 self._last_client = now
                 self._client_input(lambda: self.proto.receive_audio(pcm, now), now)
@@ -549,8 +569,8 @@ class SessionRunner:
                 self._close_if_over_budget(now)
             case VadReady():
                 self.session.settle_vad(run=False)  # audio that came after the batch waits for the next one
-            case Shutdown(reason, code, message):
-                self._close_with_error(reason, code, message)
+            case Shutdown(reason, code, message, retry_after_s):
+                self._close_with_error(reason, code, message, retry_after_s)
             case Attach(link, last_seq, done):
                 self._attach(link, last_seq, done, now)
             case LinkClosed():
@@ -586,11 +606,11 @@ class SessionRunner:
                     self.conv.end_user_turn()
                 case AddUserText(text):
                     self.conv.add_user_text(text)
-                case StartResponse(rid, speculative, modalities):
-                    self._override = modalities
-                    options = self._options if modalities is None else self.proto.engine_options(modalities)
+                case StartResponse(rid, speculative, modalities, instructions, tokens):
+                    self._override = None if modalities is None and tokens is None else (modalities, tokens)
+                    options = self._options if self._override is None else self.proto.engine_options(*self._override)
                     self._use_options(options)
-                    self._latest = handle = self.conv.respond(rid, speculative=speculative)
+                    self._latest = handle = self.conv.respond(rid, speculative=speculative, instructions=instructions)
                     answer = self._start_pump(self._pump(handle))
                     if options.transcribe_user:
                         self._start_pump(self._pump_transcript(handle, answer))
@@ -677,8 +697,8 @@ class SessionRunner:
                 self.deps.metrics.sessions_refused.labels("slow_client").inc()
                 return
 
-    def _close_with_error(self, reason: CloseReason, code: str, message: str) -> None:
-        self.proto.error(code, message)
+    def _close_with_error(self, reason: CloseReason, code: str, message: str, retry_after_s: float | None = None) -> None:
+        self.proto.error(code, message, retry_after_s=retry_after_s)
         self._flush()
         self.closing = self.closing or Closing(reason, message[:120])
 

@@ -129,6 +129,7 @@ class TwilioProtocol:
         self.log_text = log_text
         self.options = options or ConversationOptions()  # the server's session defaults: a call cannot change them
         self.client_errors = 0  # Twilio gets no error events: its faults are counted by kind (`faults`)
+        self.offered_tools = False  # a call has no tools
         self.limits = limits or TwilioLimits()
         self.end_call_digit = end_call_digit
         self.state = StreamState.AWAITING_START
@@ -156,14 +157,16 @@ class TwilioProtocol:
         out, self._out = self._out, []
         return out
 
-    def engine_options(self, output_modalities: tuple[str, ...] | None = None) -> ConversationOptions:
+    def engine_options(self, output_modalities: tuple[str, ...] | None = None,
+                       max_output_tokens: int | str | None = None) -> ConversationOptions:
         return self.options  # a call always answers in audio
 
     def take_engine_options(self) -> None:
         return None  # Twilio has no way to change them mid-call
 
-    def error(self, code: str, message: str) -> None:
-        """A server-side error (idle timeout, shutdown, engine failure): Twilio has no error message; log it."""
+    def error(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+        """A server-side error (idle timeout, shutdown, engine failure, overload): Twilio has no error message;
+        log it (the close's code and reason carry an overload's retry: CloseReason.SERVER_OVERLOADED, 1013)."""
         log.warning("twilio stream %s: %s: %s", self.stream_sid or "-", code, message)
 
     def receive_audio(self, pcm, now: float) -> None:

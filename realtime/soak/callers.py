@@ -65,6 +65,9 @@ class CallerRecord:
     answers: list[Answer] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # error event codes
     refused: str | None = None
+    shed: str | None = None  # admitted, then ended by the server to keep the others on time (server_overloaded)
+    frames_after_shed: int = 0  # sent after the server said it ended the call (WebRTC's track runs until hang-up)
+    frames_in_flight_at_shed: int = 0  # sent in the 200 ms before that word came: perhaps after the server's close
     crashed: str | None = None  # an unexpected exception or an unexpected close
     closed_by_server: str | None = None
 
@@ -98,6 +101,7 @@ class Caller(ABC):
         self._rendered: dict[int, list[np.ndarray]] = {}
         self._stop = False
         self._hang_up = False
+        self._sent_at: deque[float] = deque(maxlen=64)  # when the last frames were sent (a shed call's in-flight ones)
 
     # ---- the script, called once per 20 ms frame -------------------------------------------------
     def next_frame(self, now: float) -> np.ndarray:
@@ -172,6 +176,20 @@ class Caller(ABC):
 
     def on_error(self, code: str) -> None:
         self.record.errors.append(code)
+        if code == "server_overloaded":  # the server ends this call (then closes): hang up, as a client would
+            self.on_shed(code)
+
+    def on_shed(self, why: str) -> None:
+        if self.record.shed is None:
+            now = time.monotonic()
+            self.record.frames_in_flight_at_shed = sum(1 for t in self._sent_at if t >= now - 0.2)
+        self.record.shed = self.record.shed or why
+        self._hang_up = True
+        self._mic.clear()
+
+    def sent_frame(self) -> None:
+        self.record.frames_sent += 1
+        self._sent_at.append(time.monotonic())
 
     def ack_due(self, now: float) -> float | None:
         """played_ms to acknowledge now, on the client's cadence (None: nothing to say)."""
@@ -215,6 +233,8 @@ class Caller(ABC):
         while time.monotonic() < until and not self._hang_up:
             await asyncio.sleep(0.1)
         self._stop = True
+        if self.record.shed:
+            return  # the server ended the call: no answer will finish
         grace = time.monotonic() + 8.0
         while (self._mic or (self._answer and self._answer.status is None)) and time.monotonic() < grace:
             await asyncio.sleep(0.1)
@@ -278,13 +298,15 @@ class WebSocketCaller(Caller):
             if wait > 0:
                 await asyncio.sleep(wait)
             now = time.monotonic()
+            if self.record.shed:
+                return  # the server ended the call: the microphone is off
             frame = self.next_frame(now)
             if self.opus:
                 await self.ws.send(b"\x01" + self._enc.encode(frame.astype("<i2").tobytes(), frame.size))
             else:
                 await self.ws.send(json.dumps({"type": "input_audio_buffer.append",
                                                "audio": base64.b64encode(frame.astype("<i2").tobytes()).decode()}))
-            self.record.frames_sent += 1  # counted once on the wire (a cancel mid-send does not count)
+            self.sent_frame()  # counted once on the wire (a cancel mid-send does not count)
             if (played := self.ack_due(now)) is not None:
                 await self.ws.send(json.dumps({"type": "output_audio_buffer.played", "played_ms": round(played, 1),
                                                "response_id": self._answer.response_id}))
@@ -302,6 +324,9 @@ class WebSocketCaller(Caller):
                     continue
                 self._event(json.loads(m), now)
         except websockets.ConnectionClosed as e:
+            if self.record.shed or (e.rcvd is not None and e.rcvd.code == 1013):
+                self.on_shed(self.record.shed or f"closed 1013: {e.rcvd.reason}")
+                return
             if not self._stop:
                 self.record.closed_by_server = f"{e.rcvd.code if e.rcvd else None} {e.rcvd.reason if e.rcvd else ''}"
                 raise
@@ -365,7 +390,10 @@ class WebRtcCaller(Caller):
                     # aiortc's sender asks for a frame only once it has encoded and sent the one
                     # before: count that one now. Counting a frame when it is handed over counted
                     # one that a hang-up then kept from leaving (measured: 1-2 per soak run).
-                    caller.record.frames_sent += 1
+                    if caller.record.shed:
+                        caller.record.frames_after_shed += 1  # to a call the server has ended: nobody consumes it
+                    else:
+                        caller.sent_frame()
                 if self.t0 is None:
                     self.t0 = time.monotonic()
                 wait = self.t0 + self.n * FRAME_MS / 1000.0 - time.monotonic()
@@ -497,6 +525,8 @@ class TwilioCaller(Caller):
             tx.cancel()
         if rx.done() and rx.exception():
             raise rx.exception()
+        if self.record.shed:
+            return  # the server closed the stream
         await self._send({"event": "stop", "stop": {"accountSid": "AC" + "0" * 32, "callSid": "CA" + f"{self.index:032x}"}})
         rx.cancel()
 
@@ -510,10 +540,12 @@ class TwilioCaller(Caller):
             if wait > 0:
                 await asyncio.sleep(wait)
             now = time.monotonic()
+            if self.record.shed:
+                return
             frame = self.next_frame(now)
             await self._send({"event": "media", "media": {"track": "inbound", "chunk": str(n), "timestamp": str(n * FRAME_MS),
                                                           "payload": base64.b64encode(ulaw_encode(frame)).decode()}})
-            self.record.frames_sent += 1
+            self.sent_frame()
             a = self._answer
             while self._marks and a is not None and a.playout.played_ms(now) >= self._marks[0][1]:
                 await self._send({"event": "mark", "mark": {"name": self._marks.pop(0)[0]}})
@@ -555,6 +587,9 @@ class TwilioCaller(Caller):
                         self.on_response_done(self._answer.response_id, "cancelled", "turn_detected", now)
                     self._last_media = 0.0
         except websockets.ConnectionClosed as e:
+            if e.rcvd is not None and e.rcvd.code == 1013 and "overloaded" in e.rcvd.reason:
+                self.on_shed(f"server_overloaded: {e.rcvd.reason}")  # admitted, then ended to keep the others on time
+                return
             if e.rcvd is not None and e.rcvd.code == 1013:
                 raise Refused("server_at_capacity", e.rcvd.reason) from None
             if not self._stop:

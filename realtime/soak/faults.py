@@ -28,7 +28,9 @@ from realtime.soak.speech import speech_sentences
 FAULT_SERVER_CONFIG = {
     "vad": {"silence_duration_ms": 500},
     "session": {"max_response_ms": 4000.0},
-    "limits": {"open_timeout_s": 3.0, "max_message_bytes": 262144, "outbound_queue": 64},
+    # the capacity forced, so the overload control (slow start, degradation) is off: these runs are about the faults
+    "limits": {"open_timeout_s": 3.0, "max_message_bytes": 262144, "outbound_queue": 64,
+               "overload": {"slow_start": False, "degrade": False}},
     "engine": {"capacity_override": 8},
 }
 

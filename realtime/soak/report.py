@@ -33,6 +33,7 @@ def summarize(records: list[CallerRecord]) -> dict:
         "sessions": len(records),
         "admitted": sum(1 for r in records if r.refused is None),
         "refused": dict(Counter(r.refused for r in records if r.refused)),
+        "shed": sum(1 for r in records if r.shed),  # admitted, then ended with server_overloaded (counted in admitted)
         "crashed": sum(1 for r in records if r.crashed),
         "closed_by_server": sum(1 for r in records if r.closed_by_server),
         "utterances": sum(r.utterances for r in records),
@@ -77,7 +78,23 @@ def accounting(records: list[CallerRecord], before: dict, after: dict) -> dict:
     refused = sum(r.frames_sent for r in records if r.refused)
     return {"frames_sent": sent, "frames_consumed": consumed, "frames_dropped_by_policy": dropped,
             "frames_rejected_with_error": rejected, "frames_to_refused_calls": refused,
+            "frames_after_shed_not_counted": sum(r.frames_after_shed for r in records),
+            # a call the server ended (server_overloaded) stops reading at its close: frames then in flight are counted by
+            # nobody; this many were sent within 200 ms before those callers heard of it (an estimate, not subtracted)
+            "frames_in_flight_at_shed": sum(r.frames_in_flight_at_shed for r in records),
             "frames_unaccounted": sent - consumed - dropped - rejected - refused}
+
+
+def overload(delta: dict) -> dict:
+    """What the server's overload control did over the run (realtime/overload.py), from its /metrics delta."""
+    def total(prefix: str, label: str = "") -> int:
+        return int(sum(v for k, v in delta.items() if k.startswith(prefix) and label in k))
+
+    steps = {k.split('step="', 1)[1].split('"', 1)[0]: int(v) for k, v in delta.items()
+             if k.startswith("duplex_overload_steps_total{") and v}
+    return {"refused_slow_start": total("duplex_sessions_refused_total", 'reason="slow_start"'),
+            "refused_capacity": total("duplex_sessions_refused_total", 'reason="capacity"'),
+            "degradation_steps": steps, "shed": total("duplex_sessions_ended_total", 'reason="server_overloaded"')}
 
 
 def predicted_capacity(timeline: list[dict], ramp_s: float) -> dict | None:
@@ -123,7 +140,7 @@ def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, ti
     report = {
         "config": {"sessions": cfg.sessions, "duration_s": cfg.duration_s, "ramp_s": cfg.ramp_s, "mix": list(cfg.mix),
                    "barge_in": cfg.barge_in, "seed": cfg.seed, "url": cfg.url or "started by the run", "max_sessions": cfg.max_sessions,
-                   "capacity": cfg.capacity},
+                   "capacity": cfg.capacity, "neighbour": getattr(cfg, "neighbour", 0), "retry_s": getattr(cfg, "retry_s", None)},
         "frames_unaccounted": acct["frames_unaccounted"],
         "sessions_crashed": overall["crashed"],
         "chunks_on_time_share": overall["chunks_on_time_share"],
@@ -135,6 +152,7 @@ def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, ti
                                      if k.split("{")[0].endswith("_total") or "_refused" in k},
                    "healthy_after": bool(final_health.get("ready")), "exit_code": server_exit,
                    "log": str(server_log) if server_log else None},
+        "overload": None,
         "memory": memory_growth(timeline),
         "capacity": predicted_capacity(timeline, cfg.ramp_s),
         "timeline": timeline,
@@ -142,6 +160,7 @@ def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, ti
         "late_chunks": [(round(t - t0, 3), round(late, 1)) for r in records for a in r.answers for t, late in a.playout.late_at],
         "callers": [{k: v for k, v in asdict(r).items() if k != "answers"} | {"answers": len(r.answers)} for r in records],
     }
+    report["overload"] = overload(report["server"]["metrics_delta"])
     path = out / f"soak-{stamp}.json"
     try:
         report["plot"] = str(plot(report, records, t0, out / f"soak-{stamp}.png"))
@@ -154,7 +173,8 @@ def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, ti
 
 def summary_lines(report: dict) -> str:
     o = report["overall"]
-    lines = [f"sessions {o['sessions']} (admitted {o['admitted']}, refused {o['refused'] or 0}, crashed {o['crashed']}); "
+    lines = [f"sessions {o['sessions']} (admitted {o['admitted']}, refused {o['refused'] or 0}, shed {o.get('shed', 0)}, "
+             f"crashed {o['crashed']}); "
              f"answers {o['answers']} (completed {o['completed']}, cancelled {o['cancelled']}, failed {o['failed']}), barge-ins {o['barge_ins']}"]
     for name, s in [("all", o), *report["by_transport"].items()]:
         def f(x):
@@ -170,6 +190,9 @@ def summary_lines(report: dict) -> str:
     if (c := report.get("capacity")) is not None:
         lines.append(f"the server's capacity model predicted {c['predicted_p50']} sessions (p50 over the run, "
                      f"{c['predicted_min']}-{c['predicted_max']}; limited by {c['limited_by']})")
+    if (ov := report.get("overload")) is not None:
+        lines.append(f"overload control: refused by slow start {ov['refused_slow_start']}, by capacity {ov['refused_capacity']}; "
+                     f"degradation steps {ov['degradation_steps'] or 'none'}; sessions ended overloaded {ov['shed']}")
     a = report["accounting"]
     lines.append(f"frames sent {a['frames_sent']}, unaccounted {a['frames_unaccounted']}; server healthy after: {report['server']['healthy_after']}")
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
     python scripts/soak.py --sessions 8 --duration 60            # starts `duplex serve` (tiny model)
     python scripts/soak.py --url http://127.0.0.1:8000 --token T # against a running server
+    python scripts/soak.py --sessions 16 --ramp 2 --neighbour 1  # a CPU hog starts halfway through
     duplex soak ...                                              # the same
 
 Callers arrive spread over `--ramp` seconds, mix transports round-robin (`--mix`), converse until
@@ -16,6 +17,8 @@ import argparse
 import asyncio
 import json
 import secrets
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +42,10 @@ class SoakConfig:
     out_dir: Path = Path("artifacts/soak")
     server_config: dict = field(default_factory=dict)  # for the server this run starts
     max_sessions: int | None = None  # server cap (overload runs)
-    capacity: int | None = None  # the started server's engine capacity, instead of the measured one
+    capacity: int | None = None  # the started server's engine capacity, instead of the measured one (its slow start and
+    # degradation off: a forced capacity admits every caller up to it, as capacity_sweep.py needs)
+    neighbour: int = 0  # CPU hogs (busy processes, one core each) started halfway through the run, until its end
+    retry_s: float | None = None  # a refused caller calls again after this long (None: it gives up), until 10 s before the end
     metrics_urls: tuple[str, ...] = ()  # servers whose counters account for the frames (default: `url`); behind a
     # balancer, every replica's own address: /metrics through the balancer is one replica's
     events: list = field(default_factory=list)  # {"at": time.monotonic(), "event": str} added during the run (a kill, a
@@ -96,6 +102,7 @@ async def run_soak(cfg: SoakConfig) -> Path:
             server_cfg.setdefault("limits", {})["max_sessions"] = cfg.max_sessions
         if cfg.capacity is not None:
             server_cfg.setdefault("engine", {})["capacity_override"] = cfg.capacity
+            server_cfg.setdefault("limits", {}).setdefault("overload", {"slow_start": False, "degrade": False})
         print(f"soak: starting duplex serve ({json.dumps(server_cfg)})", flush=True)
         server = await asyncio.to_thread(ServerProcess, server_cfg, token)
         base = server.base
@@ -115,13 +122,27 @@ async def run_soak(cfg: SoakConfig) -> Path:
     sampler = asyncio.create_task(_sampler(base, token, server.pid if server else None, t0, stop, timeline, counted, last_metrics))
     until = t0 + cfg.ramp_s + cfg.duration_s
 
-    async def one(i: int):
+    async def one(i: int) -> list:
         await asyncio.sleep(cfg.ramp_s * i / max(1, cfg.sessions))
-        caller = CALLERS[cfg.mix[i % len(cfg.mix)]](i, base, token, script, seed=cfg.seed * 1000 + i)
-        return await caller.run(until)
+        calls = []
+        for attempt in range(1000):
+            caller = CALLERS[cfg.mix[i % len(cfg.mix)]](i, base, token, script, seed=cfg.seed * 1000 + i + 100_000 * attempt)
+            calls.append(await caller.run(until))
+            # --retry: a refused caller calls again after the server's retry_after_s, as a client told so would
+            if calls[-1].refused is None or cfg.retry_s is None or time.monotonic() + cfg.retry_s + 10.0 > until:
+                break
+            await asyncio.sleep(cfg.retry_s)
+        return calls
 
     print(f"soak: {cfg.sessions} callers ({', '.join(cfg.mix)}) for {cfg.duration_s:.0f} s against {base}", flush=True)
-    records = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(cfg.sessions))), cfg.ramp_s + cfg.duration_s + 120)
+    hogs = asyncio.create_task(_neighbour(cfg, t0 + cfg.ramp_s + cfg.duration_s / 2, until)) if cfg.neighbour else None
+    try:
+        calls = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(cfg.sessions))), cfg.ramp_s + cfg.duration_s + 120)
+        records = [r for rs in calls for r in rs]  # one record per call (with --retry, a caller's every attempt)
+    finally:
+        if hogs is not None:
+            hogs.cancel()
+            await asyncio.gather(hogs, return_exceptions=True)
     await asyncio.sleep(1.5)  # the server finishes closing the sessions before we read its counters
     after_each: dict[str, dict] = {}
     after = await asyncio.to_thread(_read_all_metrics, counted, token, last_metrics, after_each)
@@ -133,6 +154,25 @@ async def run_soak(cfg: SoakConfig) -> Path:
     frames_by_server = {u: frame_counts(before_each.get(u, {}), after_each.get(u, {})) for u in counted} if len(counted) > 1 else None
     return write_report(cfg, records, before, after, timeline, t0, final_health, exit_code,
                         server.log_path if server else None, frames_by_server)
+
+
+_HOG = "while True: pass"
+
+
+async def _neighbour(cfg: SoakConfig, start: float, until: float) -> None:
+    """`cfg.neighbour` busy processes from `start` to `until` (a noisy neighbour: the machine turns out busier than
+    the warm-up measured it); their start and end are on the report's timeline."""
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    procs = [subprocess.Popen([sys.executable, "-c", _HOG]) for _ in range(cfg.neighbour)]
+    cfg.events.append({"at": time.monotonic(), "event": f"neighbour: {cfg.neighbour} CPU hog(s) start"})
+    print(f"soak: neighbour: {cfg.neighbour} CPU hog(s) started (pids {[p.pid for p in procs]})", flush=True)
+    try:
+        await asyncio.sleep(max(0.0, until - time.monotonic()))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        cfg.events.append({"at": time.monotonic(), "event": "neighbour: CPU hogs stopped"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,6 +189,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, help="server cap for the server this run starts (overload runs)")
     p.add_argument("--capacity", type=int, help="engine.capacity_override for the server this run starts "
                    "(default: the capacity the engine measures at warm-up)")
+    p.add_argument("--neighbour", type=int, nargs="?", const=1, default=0, help="start this many CPU hogs (busy "
+                   "processes, default 1) halfway through the run: a neighbour the warm-up did not see")
+    p.add_argument("--retry", type=float, nargs="?", const=5.0, default=None, help="a refused caller calls again after "
+                   "this many seconds (default 5, the server's retry_after_s), as a client told to retry would")
     p.add_argument("--faults", action="store_true", help="run the fault runs (realtime/soak/faults.py) instead of a soak")
     p.add_argument("--out", default="artifacts/soak", help="report directory (default artifacts/soak)")
 
@@ -160,9 +204,13 @@ def config_from_args(a: argparse.Namespace) -> SoakConfig:
         raise SystemExit("soak: --duration must be within 1..3600 s")
     if not 0.0 <= a.barge_in <= 1.0:
         raise SystemExit("soak: --barge-in must be within 0..1")
+    if not 0 <= a.neighbour <= 64:
+        raise SystemExit("soak: --neighbour must be within 0..64")
+    if a.retry is not None and not 0.1 <= a.retry <= 600:
+        raise SystemExit("soak: --retry must be within 0.1..600 s")
     return SoakConfig(sessions=a.sessions, duration_s=a.duration, ramp_s=a.ramp, mix=tuple(m.strip() for m in a.mix.split(",") if m.strip()),
                       barge_in=a.barge_in, seed=a.seed, url=a.url, token=a.token, out_dir=Path(a.out), max_sessions=a.max_sessions,
-                      capacity=a.capacity, metrics_urls=tuple(a.metrics_url))
+                      capacity=a.capacity, metrics_urls=tuple(a.metrics_url), neighbour=a.neighbour, retry_s=a.retry)
 
 
 def main(argv: list[str] | None = None) -> int:

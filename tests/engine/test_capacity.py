@@ -26,6 +26,22 @@ def test_live_measurements_move_the_estimate() -> None:
     assert m.capacity() < before
 
 
+def test_the_engine_bound_is_re_measured_from_live_steps_under_the_real_batch() -> None:
+    """Issue 40: warm-up on an idle machine says 22; the real batch's steps on this machine now say otherwise."""
+    m = CapacityModel(max_conversations=64, margin=0.8, live_window_s=30.0)
+    m.observe(1, 4.0)
+    m.observe(8, 8.0)  # warm-up: 4 + (b - 1) * 4/7 ms, 22 fit in 16 ms
+    assert m.rank_bound() == 22 and m.live_samples() == 0
+    m.observe(3, 2 * (4.0 + 2 * 4 / 7), now=100.0)  # live: twice the warm-up's step at batch 3
+    assert m.live_samples() == 1
+    assert m.predicted_step_ms(8) == pytest.approx(16.0) and m.rank_bound() == 8  # the warm-up's shape, twice as slow
+    m.observe(5, 0.5 * (4.0 + 4 * 4 / 7), now=200.0)  # a minute later: half the warm-up's (the older one ages out)
+    assert m.live_samples() == 1 and m.rank_bound() == 50  # 4 + (b - 1) * 4/7 <= 32
+    for b in (2, 4, 6):  # several live batch sizes: the median ratio sets the level
+        m.observe(b, 1.5 * (4.0 + (b - 1) * 4 / 7), now=201.0)
+    assert m.predicted_step_ms(8) == pytest.approx(12.0)
+
+
 def test_the_cpu_bound_adds_each_sessions_parts_on_the_machines_cores() -> None:
     # recorded on this 2-core machine (warm-up: codec and tokenizer real-time factors)
     m = CapacityModel(max_conversations=64, margin=0.8, cpu_cores=2.0, codec_rtf=0.02, tokenizer_rtf=0.04,

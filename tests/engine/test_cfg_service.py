@@ -69,3 +69,34 @@ def test_incremental_prefill_for_plain_conversations_only(service, loop_thread) 
 
     assert loop_thread.run(talk("plain-talker", 1.0)) > 0
     assert loop_thread.run(talk("guided-talker", 2.0)) == 0
+
+
+def test_degraded_answers_run_without_the_shadow_and_shorter_until_given_back(service, loop_thread, tiny_model) -> None:
+    """Overload (realtime/overload.py): `degrade` takes CFG's shadow and length from the next answers only;
+    NO_DEGRADATION gives them back; the client's options stay as they were."""
+    from engine.service_api import NO_DEGRADATION, Degradation
+
+    options = ConversationOptions(temperature=0.0, max_response_ms=MAX_RESPONSE_MS, cfg_scale=2.5)
+    pcm = (speech_like(1.0, seed=12) * 20000).astype(np.int16)
+
+    async def answer(conv, rid: str):
+        conv.push_user_audio(pcm)
+        conv.end_user_turn()
+        chunks = [c async for c in conv.respond(rid).chunks()]
+        return chunks, conv.last_prompt.copy(), conv._turns[-1].frames.copy()
+
+    async def run():
+        conv = service.open_conversation("degraded", options)
+        conv.degrade(Degradation(cfg=False, max_response_ms=200.0))
+        first = await answer(conv, "resp_degraded")
+        conv.degrade(NO_DEGRADATION)
+        second = await answer(conv, "resp_given_back")
+        await conv.close()
+        return first, second
+
+    (c1, p1, f1), (c2, p2, f2) = loop_thread.run(run())
+    ref = ReferenceOpusLM.from_dir(tiny_model)
+    np.testing.assert_array_equal(f1, ref.generate(AudioRequest(p1, 10, 1, GREEDY)).frames)  # plain, 200 ms
+    assert sum(c.duration_ms for c in c1) == pytest.approx(len(f1) * 20.0) and len(f1) <= 10
+    guided = ref.generate(AudioRequest(p2, int(MAX_RESPONSE_MS // 20), 1, GREEDY, cfg_scale=2.5)).frames
+    np.testing.assert_array_equal(f2, guided)  # guided again, at full length

@@ -53,8 +53,20 @@ text tokenizer, `supports_text` False, and the text options and `add_user_text` 
   `EngineError` after N words.
 - `add_user_text(text)` ends the open audio turn and joins it: the exchange's user turn holds both
   (its `HistoryTurn.text`). Empty text: ValueError.
+- `respond(id, instructions=...)`: the answer's own system text, recorded as given on the handle
+  (`handle.instructions`; None: the conversation's `options.system_prompt`). It changes nothing else:
+  the fake's answers do not depend on any system text.
 - Options are fixed per response at `respond()` (the engine reads them when the answer starts: the
   gateway sets them before `respond()`); `output_audio=False` without `assistant_text`: ValueError.
+  An answer is at most `max_response_ms` long (`min` with the plan's `answer_ms`).
+- `degrade(d)` (overload control): the next answers run with `d.apply(options)` (`handle.options`; the
+  conversation's `options` stay the client's); every call is recorded (`conv.degradations`).
+
+Load (overload tests): with `row_s` > 0 every step of an answer takes `step_s + row_s * rows` seconds,
+`rows` being the answers generating at that step (two for an answer with CFG, `cfg_scale` != 1), times
+`slowdown` (set it mid-test: the machine turns out slower). `load()` then reports the engine's live
+bound as the engine does (`extra["bounds"]["engine"]`: the rows whose step fits `margin` of a chunk's
+audio) and its capacity is the smaller of that and `capacity`.
 
 One-shot requests (the /v1/audio endpoints), async generators: their errors come at the first
 `anext`, and each is recorded as a `OneShot` (`engine.transcriptions`, `engine.syntheses`) whose
@@ -81,11 +93,13 @@ import numpy as np
 
 from engine.service_api import (
     FRAME_MS,
+    NO_DEGRADATION,
     SAMPLE_RATE_HZ,
     AtCapacity,
     AudioChunk,
     ConversationClosed,
     ConversationOptions,
+    Degradation,
     EngineError,
     EngineHealth,
     EngineLoad,
@@ -95,6 +109,7 @@ from engine.service_api import (
     Role,
     SpeechOptions,
     TranscriptionOptions,
+    uses_guidance,
 )
 
 SAMPLES_PER_MS = SAMPLE_RATE_HZ // 1000  # 16
@@ -209,13 +224,15 @@ class FakeResponseHandle:
         self.cancelled = False
         self.cancels: list[float] = []  # played_ms of each cancel() call on this handle
         self.produced: list[AudioChunk] = []  # chunks generated, in order
+        self.produced_at: list[float] = []  # time.monotonic() each was generated (against its deadline)
         self.delivered: list[AudioChunk] = []  # chunks `chunks()` yielded to the consumer
         self.generated_samples = 0
         self.error: EngineError | None = None
         self.started_at: float | None = None  # time.monotonic() of the first step
         self.dropped_exchanges: tuple[str, ...] = ()
         self.plan = conv.plan  # fixed at respond()
-        self.options = conv.options  # fixed at respond() (what the gateway set before it)
+        self.options = conv.degradation.apply(conv.options)  # fixed at respond() (what the gateway set before it)
+        self.instructions: str | None = None  # respond(instructions=...): its own system text; None: the session's
         self.text = ""  # the text it wrote (assistant_text)
         self.user_frames = 0  # audio frames of the user turn it answers (what transcribe_user transcribes)
         self.transcript: list[str] = []  # the transcript deltas yielded
@@ -338,11 +355,11 @@ class FakeResponseHandle:
 
     async def _speak(self, k: int) -> None:
         """The answer's audio, `chunk_ms` a step; deadlines count from its first audio step (as the codec stage's)."""
-        total = ms_to_samples(self.plan.answer_ms)
+        total = ms_to_samples(min(self.plan.answer_ms, self.options.max_response_ms))
         per_chunk = max(1, ms_to_samples(self.plan.chunk_ms))
         audio_t0 = time.monotonic()
         while self.generated_samples < total:
-            await asyncio.sleep(self.plan.step_s)  # one engine step (0: one loop turn)
+            await asyncio.sleep(self.conv.engine.step_s(self.plan))  # one engine step (0: one loop turn)
             if self.cancelled:
                 break
             self._check_failure(k)
@@ -365,6 +382,7 @@ class FakeResponseHandle:
 
     def _deliver(self, chunk: AudioChunk) -> None:
         self.produced.append(chunk)
+        self.produced_at.append(time.monotonic())
         self._queue.put_nowait(chunk)
 
     def _cap(self, played_ms: float) -> None:
@@ -425,6 +443,8 @@ class FakeConversation:
         self.truncates: list[TruncateCall] = []
         self.user_texts: list[str] = []  # add_user_text() calls, in order
         self.options_updates: list[ConversationOptions] = []
+        self.degradation: Degradation = NO_DEGRADATION  # degrade(): what the next answers lose
+        self.degradations: list[Degradation] = []  # every degrade() call, in order
         self.closed = False
         self.close_calls = 0
         self._turns: list[_Turn] = []
@@ -440,6 +460,11 @@ class FakeConversation:
         self.calls.append(("update_options",))
         self.options_updates.append(options)
         self.options = options
+
+    def degrade(self, degradation: Degradation) -> None:
+        self.calls.append(("degrade", degradation))
+        self.degradations.append(degradation)
+        self.degradation = degradation
 
     def push_user_audio(self, pcm_16k: np.ndarray) -> None:
         self._check_open()
@@ -485,7 +510,7 @@ class FakeConversation:
         self._open_user = None
         self._user_since_answer = True
 
-    def respond(self, response_id: str, speculative: bool = False) -> FakeResponseHandle:
+    def respond(self, response_id: str, speculative: bool = False, instructions: str | None = None) -> FakeResponseHandle:
         self._check_open()
         prev = self._latest
         if prev is not None and not prev.ended and not prev.cancelled:
@@ -499,7 +524,7 @@ class FakeConversation:
         self._user_since_answer = False
         index = sum(not x.discarded for x in self.handles)
         h = FakeResponseHandle(self, response_id, index, prev)
-        h.speculative, h._undo = speculative, undo
+        h.speculative, h._undo, h.instructions = speculative, undo, instructions
         h.user_frames = self._exchange_user_frames()
         h.dropped_exchanges = self._drop_exchanges()
         self._turns.append(h._turn)
@@ -608,6 +633,11 @@ class FakeConversation:
         h = self._latest
         return h is not None and h.started and not h.ended
 
+    @property
+    def rows(self) -> int:
+        """Engine rows its answer steps now: 0 idle, 1, or 2 with CFG's shadow."""
+        return (2 if uses_guidance(self._latest.options.cfg_scale) else 1) if self.responding else 0
+
     def user_audio(self, turn: int = -1) -> np.ndarray:
         parts = self.user_turns[turn]
         return np.concatenate(parts) if parts else np.zeros(0, np.int16)
@@ -627,8 +657,11 @@ class FakeEngine:
     def __init__(self, capacity: int = 4, *, answer_ms: float = 1000.0, chunk_ms: float = 80.0, step_s: float = 0.0,
                  fail_after_chunks: int | None = None, deadline_offset_s: float = 0.5, text: str = "",
                  context_exchanges: int | None = None, text_model: bool = True, oneshot_step_s: float = 0.005,
-                 oneshot_capacity: int | None = None, oneshot_fail_after: int | None = None) -> None:
+                 oneshot_capacity: int | None = None, oneshot_fail_after: int | None = None, row_s: float = 0.0) -> None:
         self.capacity = capacity
+        self.row_s = row_s  # wall time per row of a step (module docstring, "Load"); 0: steps cost `step_s` alone
+        self.slowdown = 1.0  # every step's time is multiplied by this (the machine turns out slower)
+        self.margin = 0.8  # the live bound keeps this share of a chunk's audio as the step budget (as engine/capacity.py)
         # False: a model without a text tokenizer (supports_text False): text options, typed turns,
         # transcribe and synthesize raise NoTextModel
         self.text_model = text_model
@@ -679,8 +712,25 @@ class FakeEngine:
 
     def check_room(self) -> None:
         active = len(self.conversations) - len(self.suspended)
-        if active >= self.capacity:
-            raise AtCapacity(f"server at capacity: {active} conversations active, capacity {self.capacity}")
+        if active >= self.current_capacity():
+            raise AtCapacity(f"server at capacity: {active} conversations active, capacity {self.current_capacity()}")
+
+    def step_s(self, plan: AnswerPlan) -> float:
+        """One step's wall time now (module docstring, "Load")."""
+        if not self.row_s:
+            return plan.step_s
+        return (plan.step_s + self.row_s * sum(c.rows for c in self.conversations.values())) * self.slowdown
+
+    def live_bound(self) -> int | None:
+        """The rows whose step fits `margin` of a chunk's audio at the current speed (None: no load model)."""
+        if not self.row_s:
+            return None
+        budget = self.margin * self.plan.chunk_ms / 1000.0 / self.slowdown - self.plan.step_s
+        return max(0, int(budget / self.row_s))
+
+    def current_capacity(self) -> int:
+        bound = self.live_bound()
+        return self.capacity if bound is None else max(1, min(self.capacity, bound))
 
     def _release(self, conv: FakeConversation) -> None:
         if self.conversations.get(conv.id) is conv:
@@ -695,8 +745,11 @@ class FakeEngine:
 
     def load(self) -> EngineLoad:
         responding = sum(c.responding for c in self.conversations.values())
-        return EngineLoad(conversations=len(self.conversations) - len(self.suspended), responding=responding, capacity=self.capacity,
-                          step_ms=1000.0 * self.plan.step_s, batch_size=float(responding))
+        bound = self.live_bound()
+        extra = {} if bound is None else {"bounds": {"engine": bound, "max_conversations": self.capacity}}
+        return EngineLoad(conversations=len(self.conversations) - len(self.suspended), responding=responding,
+                          capacity=self.current_capacity(), step_ms=1000.0 * self.step_s(self.plan), batch_size=float(responding),
+                          extra=extra)
 
     async def shutdown(self) -> None:
         self.shutdown_calls += 1

@@ -40,6 +40,23 @@ def test_short_soak_every_frame_accounted(tmp_path, tiny_model):
     assert cap is not None and cap["samples"] > 5 and cap["limited_by"] in ("engine", "cpu", "max_conversations")
 
 
+def test_a_burst_meets_slow_start_on_the_real_engine(tmp_path, tiny_model):
+    """8 callers within half a second (issue 40): the first step (3 here; the priors allow 8) is admitted,
+    the rest refused by slow start with server_at_capacity; the admitted calls lose nothing."""
+    from realtime.soak.run import SoakConfig, run_soak
+
+    cfg = SoakConfig(sessions=8, duration_s=12.0, ramp_s=0.5, mix=("ws-pcm16", "ws-opus", "webrtc", "twilio"), barge_in=0.2,
+                     seed=2, out_dir=tmp_path, capacity=8, server_config={"limits": {"overload": {"first_step": 3}}})
+    report = json.loads(asyncio.run(run_soak(cfg)).read_text())
+    o, ov = report["overall"], report["overload"]
+    assert o["admitted"] == 3 and o["refused"] == {"server_at_capacity": 5}, report["callers"]
+    assert ov["refused_slow_start"] == 5 and ov["refused_capacity"] == 0, ov
+    assert report["sessions_crashed"] == 0 and o["shed"] == 0, report["callers"]
+    assert report["frames_unaccounted"] == 0, report["accounting"]
+    assert o["answers"] >= 1 and o["failed"] == 0
+    assert report["server"]["healthy_after"] and report["server"]["exit_code"] == 0
+
+
 def test_fault_runs_leave_the_server_and_the_witness_unharmed(tmp_path, tiny_model):
     from realtime.soak.faults import FAULT_SERVER_CONFIG, run_faults
 
@@ -106,3 +123,14 @@ def test_the_report_takes_the_models_prediction_after_the_ramp():
     assert predicted_capacity(timeline, ramp_s=2.0) == {"predicted_p50": 8, "predicted_min": 7, "predicted_max": 9,
                                                        "limited_by": "cpu", "samples": 5}
     assert predicted_capacity(timeline[:2], ramp_s=2.0) is None
+
+
+def test_the_report_reads_what_the_overload_control_did_from_the_metrics():
+    from realtime.soak.report import overload
+
+    delta = {'duplex_sessions_refused_total{reason="slow_start"}': 9.0, 'duplex_sessions_refused_total{reason="capacity"}': 2.0,
+             'duplex_overload_steps_total{step="short"}': 1.0, 'duplex_overload_steps_total{step="cfg_off"}': 0.0,
+             'duplex_overload_steps_total{step="shed"}': 1.0,
+             'duplex_sessions_ended_total{transport="websocket",reason="server_overloaded"}': 1.0,
+             'duplex_sessions_ended_total{transport="twilio",reason="client_closed"}': 3.0}
+    assert overload(delta) == {"refused_slow_start": 9, "refused_capacity": 2, "degradation_steps": {"short": 1, "shed": 1}, "shed": 1}
