@@ -102,7 +102,7 @@ class CapacityModel:
         times, live = self.rank_step_ms[rank], self.rank_live_at[rank]
         if live:
             newest = max(live.values())
-            fresh = [(b, times[b]) for b, t in live.items() if t >= newest - self.live_window_s]
+            fresh = [(b, times[b]) for b, t in live.items() if t >= newest - self.live_window_s and b in times]
             if fresh:
                 return sorted(fresh)
         return sorted(times.items())

@@ -211,8 +211,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
-    for _ in range(2):
+def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
+    """Median wall time of fn in ms, synchronised (warm-up first)."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):

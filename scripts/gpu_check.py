@@ -83,16 +83,7 @@ def _sync(device: torch.device) -> None:
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int = 20, warmup: int = 3) -> float:
     """Median wall time of fn in ms, synchronised (warm-up first)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e3)
+    return decode_step.median_ms(fn, device, iters, warmup)
 
 
 # --- graph: the forward contract under a CUDA graph ------------------------------------------------

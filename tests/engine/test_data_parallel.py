@@ -79,10 +79,14 @@ def engine(loop_thread, tiny_model):
 
 
 def measured(engine: Engine, *rank_points: dict[int, float]) -> None:
-    """Set each rank's step-time table (the warm-up's noise must not decide where conversations go)."""
-    for table, points in zip(engine._capacity.rank_step_ms, rank_points, strict=True):
-        table.clear()
+    """Set each rank's step-time table as its warm-up's, with no live step yet (neither the warm-up's noise
+    nor an earlier test's live steps may decide where conversations go)."""
+    cap = engine._capacity
+    for table, prior, live, points in zip(cap.rank_step_ms, cap.rank_prior, cap.rank_live_at, rank_points, strict=True):
+        for d in (table, prior, live):
+            d.clear()
         table.update(points)
+        prior.update(points)
 
 
 _ids = itertools.count()
