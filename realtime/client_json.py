@@ -3,17 +3,27 @@
 `json.loads` alone accepts what later code cannot use: NaN and Infinity, integers of thousands of
 digits (or raises ValueError past Python's 4300-digit limit, which is no JSONDecodeError), and
 nesting so deep that the parser, or any later `repr` of the value, hits the recursion limit. Each
-of those ended a session without an error event (issue 23). Here every such message is one
-`BadJson` with a reason, and what comes back is plain data of bounded depth with finite numbers.
+of those ended a session without an error event (issue 23). So did a string holding a lone UTF-16
+surrogate (`"\\ud800"`: valid JSON, not valid Unicode), once the session tried to encode it back (an
+echo, the tokenizer). Here every such message is one `BadJson` with a reason, and what comes back is
+plain data of bounded depth with finite numbers and valid Unicode strings.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 MAX_DEPTH = 32  # the deepest client event (session.update's turn_detection) is 4 levels
 MAX_INT_DIGITS = 20  # int64 and uint64 fit; anything longer is no count, id or setting of ours
+
+# In a str (a WebSocket text frame, valid UTF-8) a surrogate can only come from a \\uD800-\\uDFFF escape,
+# and a pair of them becomes one code point: so only a message with such an escape is walked, and any
+# surrogate left in its strings is a lone one. Bytes (an HTTP body) are always walked: json decodes
+# them with "surrogatepass", so an encoded surrogate gets through with no escape.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class BadJson(ValueError):
@@ -50,7 +60,24 @@ def loads(text: str | bytes) -> object:
     except (ValueError, TypeError) as e:  # undecodable bytes, or what the parser refuses otherwise
         raise BadJson(str(e)[:200]) from None
     _check_depth(value)
+    if isinstance(text, bytes) or _SURROGATE_ESCAPE.search(text):
+        _check_unicode(value)
     return value
+
+
+def _check_unicode(value: object) -> None:
+    """Every string (keys too) is valid Unicode: no lone surrogate (the depth is already bounded)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str) and (m := _SURROGATE.search(node)):
+            raise BadJson(f"a string holds a lone UTF-16 surrogate (\\u{ord(m.group()):04x} at character {m.start()}): "
+                          "not valid Unicode")
 
 
 def _check_depth(value: object) -> None:

@@ -441,6 +441,8 @@ async def _bad_requests(gw: Gateway) -> dict[str, tuple[int, dict]]:
             ("missing file", "/v1/audio/transcriptions", {"files": {"model": (None, "x"), "response_format": (None, "json")}}),
             ("speech as a form", "/v1/audio/speech", {"data": {"model": "x", "input": "Hi.", "voice": "alloy"}}),
             ("speech not json", "/v1/audio/speech", {"content": b"{not json", "headers": {"Content-Type": "application/json"}}),
+            ("speech with a lone surrogate", "/v1/audio/speech",  # valid JSON, not valid Unicode
+             {"content": b'{"model": "x", "input": "Hi \\ud800", "voice": "alloy"}', "headers": {"Content-Type": "application/json"}}),
         ):
             r = await http.post(path, **kwargs)
             out[name] = (r.status_code, r.json()["error"])
@@ -469,6 +471,7 @@ EXPECTED_REFUSALS = {  # name: (status, code, param)
     "missing file": (400, "missing_required_parameter", "file"),
     "speech as a form": (415, "unsupported_media_type", None),
     "speech not json": (400, "invalid_json", None),
+    "speech with a lone surrogate": (400, "invalid_json", None),
 }
 
 

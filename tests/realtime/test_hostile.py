@@ -76,6 +76,12 @@ ATTACKS = [
     ("append with audio null", '{"type":"input_audio_buffer.append","audio":null}', "invalid_type"),
     ("not JSON", "{'type': 1", "invalid_json"),
     ("undecodable bytes as text", b"\xff\xfe{}".decode("latin-1"), "invalid_json"),
+    # valid JSON, not valid Unicode: each closed the session with no error event once it was echoed or tokenized
+    ("instructions with a lone surrogate", '{"type":"session.update","session":{"instructions":"hi \\ud800"}}', "invalid_json"),
+    ("a system item with a lone surrogate", '{"type":"conversation.item.create","item":{"type":"message","role":"system",'
+     '"content":[{"type":"input_text","text":"\\udfff be brief"}]}}', "invalid_json"),
+    ("a user text item with a lone surrogate", '{"type":"conversation.item.create","item":{"type":"message","role":"user",'
+     '"content":[{"type":"input_text","text":"hello \\ud83d"}]}}', "invalid_json"),
     ("binary: an empty Opus packet", b"\x01", "invalid_audio"),
     ("binary: an unknown frame type", b"\x07abc", "invalid_binary_frame"),
     ("binary: nothing", b"", "invalid_binary_frame"),
@@ -90,6 +96,7 @@ def _applies_update(message) -> bool:
     """A well-formed session.update (with bad fields): answered by the errors, then session.updated."""
     try:
         ev = json.loads(message)
+        json.dumps(ev, ensure_ascii=False).encode()  # a lone surrogate: not valid Unicode, refused whole
     except (ValueError, TypeError, RecursionError):
         return False
     return isinstance(ev, dict) and ev.get("type") == "session.update" and isinstance(ev.get("session"), dict)
