@@ -115,6 +115,13 @@ class TwilioBridge:
                         req.headers.get("Host"))
             return HttpReply(HTTPStatus.MISDIRECTED_REQUEST, "this server does not know its public URL for this Host: "
                                                              "set telephony.public_url (or telephony.allowed_hosts)\n")
+        if self.ctx.admission.draining or self.ctx.admission.closing:
+            # no ticket: a stream opened here would be refused, and the call would fail mid-setup. A 503 makes
+            # Twilio try the number's fallback URL (or the balancer, another replica) before the call starts.
+            retry = self.config.limits.retry_after_s
+            self.ctx.metrics.sessions_refused.labels("draining").inc()
+            return HttpReply(HTTPStatus.SERVICE_UNAVAILABLE, "the server is draining (it takes no new calls; another replica does)\n",
+                             headers={"Retry-After": str(max(1, round(retry)))})
         call_sid = dict(form).get("CallSid") or next(iter(req.query.get("CallSid", [])), None)
         params = {"token": self.tickets.issue(call_sid)} if self.ctx.auth.token else {}
         return HttpReply(HTTPStatus.OK, render_twiml(stream_url(base, replica_stream_path(self.config.server.replica_id)), params), "text/xml; charset=utf-8")

@@ -109,6 +109,14 @@ def test_drain_refuses_new_sessions_keeps_running_ones_and_their_resumes():
             new = await websockets.connect(f"ws://127.0.0.1:{gw.port}/v1/realtime", additional_headers=AUTH)
             refusal = json.loads(await new.recv())
             await new.wait_closed()
+            # a phone call's TwiML gets no stream ticket: a 503 sends Twilio to the number's fallback URL
+            req = urllib.request.Request(f"http://127.0.0.1:{gw.port}/v1/telephony/twiml?token={TOKEN}",
+                                         data=urllib.parse.urlencode({"CallSid": "CA9"}).encode(), method="POST")
+            try:
+                await asyncio.to_thread(urllib.request.urlopen, req, None, 5)
+                twiml = None
+            except urllib.error.HTTPError as e:
+                twiml = (e.code, e.headers.get("Retry-After"), e.read().decode())
             # the running session's connection dies; its resume is still taken while draining
             ws.transport.abort()
             again = await websockets.connect(f"ws://127.0.0.1:{gw.port}/v1/realtime?resume={created['resume_token']}&last_seq=1",
@@ -119,11 +127,12 @@ def test_drain_refuses_new_sessions_keeps_running_ones_and_their_resumes():
             still_draining = not drain.done()
             await again.close()  # the last session ends: the drain is over
             drained = await asyncio.wait_for(drain, 10)
-            return health, live, refusal, new.close_code, resumed, cleared, still_draining, drained
+            return health, live, refusal, new.close_code, resumed, cleared, still_draining, drained, twiml
         finally:
             await gw.stop()
 
-    health, live, refusal, close_code, resumed, cleared, still_draining, drained = asyncio.run(main())
+    health, live, refusal, close_code, resumed, cleared, still_draining, drained, twiml = asyncio.run(main())
+    assert twiml is not None and twiml[:2] == (503, "3") and "draining" in twiml[2] and "token" not in twiml[2]
     assert health[0] == 503 and health[1]["detail"] == "draining" and health[1]["retry_after_s"] == 3
     assert live == (200, {"live": True, "draining": True, "detail": "ready", "replica_id": None})
     assert refusal["error"]["code"] == "server_at_capacity" and "draining" in refusal["error"]["message"] and close_code == 1013
