@@ -127,7 +127,14 @@ class SlowStart:
             return
         g = self.got
         heard_late = g.gaps > (1.0 - self.limits.on_time_share) * max(g.chunks, 1)
-        if degraded or heard_late:
+        if self.peak == 0 and open_sessions == 0 and not degraded:
+            # idle a whole window: the lateness that cut the step was the load of calls now gone (TCP's
+            # restart after idle), so the first step is allowed again, beyond what is confirmed
+            first = max(1, self.limits.first_step)
+            if self.step < first:
+                self.changes.append(f"slow start: idle for a window: {self.confirmed} confirmed, {first} more per window")
+                self.step = first
+        elif degraded or heard_late:
             step = 0 if degraded else 1
             confirmed = min(self.confirmed, open_sessions)
             if (step, confirmed) != (self.step, self.confirmed):
@@ -135,7 +142,9 @@ class SlowStart:
                                     f"{confirmed} confirmed, {step} more per window")
             self.step, self.confirmed = step, confirmed
         elif g.chunks < self.limits.confirm_chunks:
-            return  # no evidence yet (nobody answered): the window goes on
+            if open_sessions:
+                return  # no evidence yet (nobody answered): the window goes on
+            # (none open: a new window starts, so a whole idle one can be seen)
         else:
             used = self.peak >= self.confirmed + self.step
             confirmed = max(self.confirmed, min(open_sessions, live_bound))
@@ -217,6 +226,11 @@ _STEP_TEXT = {"cfg_off": "CFG's unconditional shadow off for the next answers of
               "cfg_on": "CFG back for {n} session(s)"}
 
 
+def _fixed(load) -> bool:
+    """The operator fixed the capacity (engine.capacity_override): the model alone never degrades calls."""
+    return load.extra.get("limited_by") == "capacity_override"
+
+
 class OverloadControl:
     """Slow start and degradation over the gateway's sessions (`sessions()`: the registry, oldest first)."""
 
@@ -275,7 +289,7 @@ class OverloadControl:
         load = self.engine.load()
         bounds = load.extra.get("bounds") or {}
         # the model alone, without the feedback's ceiling; a capacity the operator fixed (engine.capacity_override) is theirs
-        fixed = load.extra.get("limited_by") == "capacity_override"
+        fixed = _fixed(load)
         live_bound = min(bounds.values()) if bounds and not fixed else load.capacity
         # the model alone must say so for escalate_s (one CPU sample of callers connecting is no overload);
         # chunks past their deadline act at once

@@ -66,7 +66,10 @@ def running_gateway(loop_thread, model, capacity: int, config: dict):
     from realtime.server import Gateway
 
     eng = loop_thread.run(Engine.start(EngineServiceConfig(model=str(model), capacity_override=capacity, warmup=False)))
-    cfg = config_from_dict({**config, "server": {**config.get("server", {}), "port": 0}})
+    # one gateway serves a module's tests one after another on a busy 2-core machine: slow start (which a
+    # late window there cuts to one more call at a time) is for bursts of callers, tested on its own
+    limits = {**config.get("limits", {}), "overload": {"slow_start": False, **config.get("limits", {}).get("overload", {})}}
+    cfg = config_from_dict({**config, "limits": limits, "server": {**config.get("server", {}), "port": 0}})
     gw = Gateway(eng, cfg)
     try:
         loop_thread.run(gw.start())

@@ -71,6 +71,21 @@ def test_slow_start_waits_for_evidence_and_steps_back_on_lateness():
     assert (s.confirmed, s.step) == (2, 1)
 
 
+def test_slow_start_restarts_after_a_window_with_no_call():
+    """Lateness heard with calls open says nothing of an idle server (TCP's restart after idle): once a whole
+    window passed with no call, the first step is allowed again; a window with calls in it does not count."""
+    lim = OverloadLimits(first_step=4, confirm_s=5.0, confirm_chunks=50)
+    s = SlowStart(lim)
+    assert s.refusal(0.0, 0, prior_capacity=8) is None
+    s.admitted(3)
+    s.observe(5.0, 3, Delivery(400, 0, 9), live_bound=8, degraded=False)  # heard late: one more at a time
+    assert (s.confirmed, s.step) == (0, 1) and s.refusal(5.1, 1, 8) is not None
+    s.observe(10.0, 0, Delivery(0, 0, 0), live_bound=8, degraded=False)  # the calls ended within this window
+    assert s.step == 1
+    s.observe(15.0, 0, Delivery(0, 0, 0), live_bound=8, degraded=False)  # a whole window with none
+    assert (s.confirmed, s.step) == (0, 4) and s.refusal(15.1, 3, 8) is None and s.refusal(15.2, 4, 8) is not None
+
+
 def test_the_ladder_degrades_cheapest_first_sheds_last_and_recovers_in_reverse():
     lim = OverloadLimits(escalate_s=2.0, shed_after_s=5.0, recover_s=10.0, short_response_ms=1500.0)
     lad = Ladder(lim)
