@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
+import numpy.typing as npt
 
 from engine import vocab
 
@@ -90,7 +91,7 @@ NO_EOS = -1  # eos_step value while stream 0 has not emitted EOS
 
 
 def stream0_rules(
-    steps: np.ndarray, eos_steps: np.ndarray, min_frames: np.ndarray, max_frames: np.ndarray
+    steps: npt.ArrayLike, eos_steps: npt.ArrayLike, min_frames: npt.ArrayLike, max_frames: npt.ArrayLike
 ) -> np.ndarray:
     """Stream0Rule per row for generated steps `steps` (vectorised over a batch of rows).
 

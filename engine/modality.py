@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
+import numpy.typing as npt
 
 from engine import vocab
 from engine.delay import NO_EOS
@@ -68,7 +69,7 @@ class TextRule(IntEnum):
     FORCE_SWITCH = 3  # the text cap is reached: audio follows
 
 
-def text_rules(steps: np.ndarray, min_text: np.ndarray, max_text: np.ndarray, switch: np.ndarray) -> np.ndarray:
+def text_rules(steps: npt.ArrayLike, min_text: npt.ArrayLike, max_text: npt.ArrayLike, switch: npt.ArrayLike) -> np.ndarray:
     """TextRule per row for text-phase steps `steps` (a text phase starts at generated step 0)."""
     steps = np.asarray(steps)
     rules = np.where(steps >= np.asarray(min_text), TextRule.TEXT_OR_EOS, TextRule.TEXT)

@@ -26,9 +26,10 @@ class _KVCache:
         self.v: list[torch.Tensor | None] = [None] * num_layers
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k[layer] is not None:
-            k = torch.cat([self.k[layer], k], dim=0)
-            v = torch.cat([self.v[layer], v], dim=0)
+        past_k, past_v = self.k[layer], self.v[layer]
+        if past_k is not None and past_v is not None:
+            k = torch.cat([past_k, k], dim=0)
+            v = torch.cat([past_v, v], dim=0)
         self.k[layer], self.v[layer] = k, v
         return k, v
 

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.service_api import FRAME_MS, SAMPLE_RATE_HZ  # the model's audio is the contract's
+# the layout's units, re-exported for the codec and tools that read them beside the ids
+from engine.units import FRAME_MS as FRAME_MS, FRAME_RATE_HZ as FRAME_RATE_HZ  # noqa: F401
+from engine.units import HOP_SAMPLES as HOP_SAMPLES, SAMPLE_RATE_HZ as SAMPLE_RATE_HZ  # noqa: F401
 
 # --- general specials -------------------------------------------------------------------------
 PAD = 0  # delay-pattern fill, streams 1-8 at text positions, stream 0 during the flush
@@ -58,9 +60,6 @@ SSL_SIZE = 5000
 DAC_OFFSET = SSL_OFFSET + SSL_SIZE  # 5256
 CODEBOOK_SIZE = 1024
 TEXT_OFFSET = DAC_OFFSET + NUM_CODEBOOKS * CODEBOOK_SIZE  # 13448
-
-FRAME_RATE_HZ = round(1000.0 / FRAME_MS)  # 50
-HOP_SAMPLES = SAMPLE_RATE_HZ // FRAME_RATE_HZ  # 320
 
 
 @dataclass(frozen=True)

@@ -1,47 +1,23 @@
-"""`duplex`: the project's command line. Each subcommand is one module with `register()`."""
+"""The engine's commands: model checkpoints, offline generation, the codec, checkpoint conversion.
+
+`duplex` (realtime/cli/main.py) runs them beside the gateway's commands; `python -m engine.cli`
+runs them alone. Each subcommand is one module with `register()` (engine/cli/common.py).
+"""
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import sys
+from engine.cli.common import CliError as CliError  # noqa: F401 (re-exported: the commands' error)
+from engine.cli.common import Command, build_parser, run
 
-COMMAND_MODULES = (
-    "engine.cli.model",
-    "engine.cli.generate",
-    "engine.cli.decode",
-    "engine.cli.encode",
-    "engine.cli.convert",
-    "realtime.cli.serve",
-    "realtime.cli.client",
-    "realtime.cli.soak",
-)
+DESCRIPTION = "duplex: the engine's commands (the gateway's are in `duplex --help`)"
 
 
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit code 2, no traceback."""
+def engine_commands() -> tuple[Command, ...]:
+    # imported here, not above: `import engine.cli.decode` alone stays as light as that module
+    from engine.cli import convert, decode, encode, generate, model
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="duplex", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if name.startswith(e.name or "\0"):  # a command (or its package) not built yet
-                continue
-            raise
-        module.register(sub)
-    return parser
+    return (model, generate, decode, encode, convert)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except (CliError, FileNotFoundError, ValueError) as e:
-        print(f"duplex {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run(build_parser(engine_commands(), DESCRIPTION), argv)

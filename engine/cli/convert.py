@@ -10,7 +10,7 @@ import argparse
 import time
 from pathlib import Path
 
-from engine.cli import CliError
+from engine.cli.common import CliError
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -21,12 +21,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from engine import tasks, vocab
+from engine.cli.common import CliError
 from engine.dialogue import DialogueTurn, answer_audio_prompt, response_prompt
-from engine.cli import CliError
 from engine.prompt import random_frames, synthetic_prompt_frames
 from engine.request import AudioRequest, Generation
 from engine.sampling import SamplingConfig
@@ -98,7 +99,8 @@ def build_plan(args: argparse.Namespace, text_tokenizer=None) -> Plan:
         raise CliError(f"--task {args.task} writes text: use --out FILE.json")
     if args.out.suffix not in (".npy", ".json"):
         raise CliError("--out must end in .npy or .json")
-    reqs, follow = [], []
+    reqs: list[AudioRequest] = []
+    follow: list[Callable[[np.ndarray], AudioRequest]] = []
     for i in range(args.requests):
         sampling = (
             SamplingConfig(temperature=0.0)
@@ -120,8 +122,13 @@ def build_plan(args: argparse.Namespace, text_tokenizer=None) -> Plan:
         else:
             turns = [DialogueTurn(vocab.USER, clip())]
             reqs.append(AudioRequest(prompt=response_prompt(turns, text_first=True), **text))
-            follow.append(lambda ids, turns=turns, audio=audio: AudioRequest(prompt=answer_audio_prompt(turns, ids), **audio))
+            follow.append(_answer_request(turns, audio))
     return Plan(reqs, follow or None)
+
+
+def _answer_request(turns: list[DialogueTurn], audio: dict[str, Any]) -> Callable[[np.ndarray], AudioRequest]:
+    """A dialogue's second request: the audio answer that speaks the text `ids` the first one wrote."""
+    return lambda ids: AudioRequest(prompt=answer_audio_prompt(turns, ids.tolist()), **audio)
 
 
 def stack_frames(gens: list[Generation]) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.cli import CliError
+from engine.cli.common import CliError
 
 
 def register(sub: argparse._SubParsersAction) -> None:

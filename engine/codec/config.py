@@ -10,11 +10,18 @@ import dataclasses
 import json
 import pathlib
 import typing
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from engine.vocab import CODEBOOK_SIZE, HOP_SAMPLES, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SSL_SIZE
+from engine.units import HOP_SAMPLES, SAMPLE_RATE_HZ
+from engine.vocab import CODEBOOK_SIZE, NUM_CODEBOOKS, SSL_SIZE
 
 _C = TypeVar("_C")
+
+if TYPE_CHECKING:  # torch only for the checker: configs load without it
+    from torch import nn
+
+_P = TypeVar("_P", bound="nn.Module")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +159,9 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
-def load_part(module_cls, config_cls: type, part_dir: pathlib.Path, what: str, *, meta_init: bool = False):
+def load_part(
+    module_cls: Callable[[_C], _P], config_cls: type[_C], part_dir: pathlib.Path, what: str, *, meta_init: bool = False
+) -> _P:
     """Build `module_cls(config)` from `part_dir/config.json` and load `part_dir/model.safetensors`
     exactly (a missing or unexpected tensor is an error naming it). Returns the module in eval mode.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -22,6 +23,17 @@ from torch.nn.utils.parametrizations import weight_norm
 from engine.codec.config import CONFIG_NAME, WEIGHTS_NAME, DACConfig, load_part  # noqa: F401 (re-exported)
 
 CODEC_SUBDIR = "codec"
+
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def child(container: nn.Sequential | nn.ModuleList, index: int, kind: type[_M]) -> _M:
+    """container[index], checked to be a `kind`: torch types a container's items as plain Modules,
+    and the layout (which the checkpoint's keys fix) is what says which one it is."""
+    layer = container[index]
+    if not isinstance(layer, kind):
+        raise TypeError(f"layer {index} is a {type(layer).__name__}, not a {kind.__name__}")
+    return layer
 
 
 class Snake1d(nn.Module):
@@ -44,9 +56,9 @@ def pad1d_reflect(x: torch.Tensor, left: int, right: int) -> torch.Tensor:
 
 
 class NormConv1d(nn.Module):
-    def __init__(self, *args: int, **kwargs: int) -> None:
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int = 1, dilation: int = 1) -> None:
         super().__init__()
-        self.conv = weight_norm(nn.Conv1d(*args, **kwargs))
+        self.conv = weight_norm(nn.Conv1d(in_ch, out_ch, kernel_size, stride, dilation=dilation))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(x)
@@ -77,9 +89,9 @@ class SConv1d(nn.Module):
 
 
 class NormConvTranspose1d(nn.Module):
-    def __init__(self, *args: int) -> None:
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int) -> None:
         super().__init__()
-        self.convtr = weight_norm(nn.ConvTranspose1d(*args))
+        self.convtr = weight_norm(nn.ConvTranspose1d(in_ch, out_ch, kernel_size, stride))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.convtr(x)
@@ -171,13 +183,13 @@ class SEANetEncoder(nn.Module):
     # Streaming splits the stack at the LSTM: a conv part with a finite receptive field, the
     # stateful LSTM, and a short conv tail at frame rate.
     def pre_lstm(self) -> nn.Sequential:
-        return self.model[: -3 if self.has_lstm else -2]
+        return self.model[: -3 if self.has_lstm else -2]  # type: ignore[return-value]  # torch's Sequential.__getitem__ has no overloads: a slice is a Sequential
 
     def lstm(self) -> SLSTM | None:
-        return self.model[-3] if self.has_lstm else None
+        return child(self.model, -3, SLSTM) if self.has_lstm else None
 
     def post_lstm(self) -> nn.Sequential:
-        return self.model[-2:]
+        return self.model[-2:]  # type: ignore[return-value]  # as in pre_lstm
 
 
 class SEANetDecoder(nn.Module):
@@ -205,16 +217,18 @@ class SEANetDecoder(nn.Module):
         return self.model(z)
 
     def in_conv(self) -> SConv1d:
-        return self.model[0]
+        return child(self.model, 0, SConv1d)
 
     def lstm(self) -> SLSTM | None:
-        return self.model[1] if self.has_lstm else None
+        return child(self.model, 1, SLSTM) if self.has_lstm else None
 
     def upsampler(self) -> nn.Sequential:
-        return self.model[2 if self.has_lstm else 1 :]
+        return self.model[2 if self.has_lstm else 1 :]  # type: ignore[return-value]  # torch's Sequential.__getitem__ has no overloads: a slice is a Sequential
 
 
 class EuclideanCodebook(nn.Module):
+    embed: torch.Tensor  # [codebook_size, dim], a buffer
+
     def __init__(self, dim: int, codebook_size: int) -> None:
         super().__init__()
         self.register_buffer("embed", torch.zeros(codebook_size, dim))
@@ -253,6 +267,13 @@ class ResidualVectorQuantization(nn.Module):
             for _ in range(cfg.quantizer_n_q)
         )
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer(self, k: int) -> VectorQuantization:
+        return child(self.layers, k, VectorQuantization)
+
 
 class ResidualVectorQuantizer(nn.Module):
     def __init__(self, cfg: DACConfig) -> None:
@@ -263,7 +284,8 @@ class ResidualVectorQuantizer(nn.Module):
         """latents [B, D, T] -> codes [B, n_q, T]."""
         residual = x
         codes = []
-        for layer in self.vq.layers:
+        for k in range(self.vq.num_layers):
+            layer = self.vq.layer(k)
             idx = layer.encode(residual)
             residual = residual - layer.decode(idx)
             codes.append(idx)
@@ -271,9 +293,9 @@ class ResidualVectorQuantizer(nn.Module):
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """codes [B, n_q, T] -> latents [B, D, T] (sum of the codebooks' vectors)."""
-        out = self.vq.layers[0].decode(codes[:, 0])
+        out = self.vq.layer(0).decode(codes[:, 0])
         for k in range(1, codes.shape[1]):
-            out = out + self.vq.layers[k].decode(codes[:, k])
+            out = out + self.vq.layer(k).decode(codes[:, k])
         return out
 
 
@@ -293,7 +315,7 @@ class DAC(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.quantizer.vq.layers[0]._codebook.embed.device
+        return self.quantizer.vq.layer(0)._codebook.embed.device
 
     @torch.inference_mode()
     def encode(self, audio: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ import numpy as np
 
 from engine.codec.dac import DAC
 from engine.codec.streaming import DecoderState, StreamConfig, StreamingDecoder
-from engine.vocab import NUM_STREAMS, SAMPLE_RATE_HZ, global_to_dac, in_stream_range
+from engine.units import SAMPLE_RATE_HZ
+from engine.vocab import NUM_STREAMS, global_to_dac, in_stream_range
 
 
 @dataclasses.dataclass(frozen=True)

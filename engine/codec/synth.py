@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.vocab import SAMPLE_RATE_HZ
+from engine.units import SAMPLE_RATE_HZ
 
 _VOWEL_FORMANTS_HZ = np.array(
     [[730, 1090, 2440], [270, 2290, 3010], [300, 870, 2240], [530, 1840, 2480], [570, 840, 2410]]
@@ -44,14 +44,15 @@ def speech_like(duration_s: float, seed: int = 0) -> np.ndarray:
         t = np.arange(syll) / SAMPLE_RATE_HZ
         f0_hz = rng.uniform(100, 220) * (1 + 0.15 * np.sin(2 * np.pi * rng.uniform(1, 4) * t))
         phase = 2 * np.pi * np.cumsum(f0_hz) / SAMPLE_RATE_HZ
-        source = sum(np.sin(k * phase) / k for k in range(1, 30))
+        source = np.zeros(syll)
+        for k in range(1, 30):
+            source += np.sin(k * phase) / k
         v0, v1 = _VOWEL_FORMANTS_HZ[rng.integers(0, len(_VOWEL_FORMANTS_HZ), size=2)]
         glide = np.linspace(0, 1, syll)[:, None]
         formants_hz = v0 * (1 - glide) + v1 * glide
-        voiced = sum(
-            _resonator(source, formants_hz[:, j], bw) * gain
-            for j, (bw, gain) in enumerate([(80, 1.0), (100, 0.6), (140, 0.3)])
-        )
+        voiced = np.zeros(syll)
+        for j, (bw, gain) in enumerate([(80, 1.0), (100, 0.6), (140, 0.3)]):
+            voiced += _resonator(source, formants_hz[:, j], bw) * gain
         envelope = np.sin(np.pi * np.linspace(0, 1, syll)) ** 0.5
         seg = voiced * envelope
         if rng.random() < 0.4:  # a fricative onset

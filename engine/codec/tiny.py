@@ -42,29 +42,31 @@ def _sample_rows(data: torch.Tensor, n: int, gen: torch.Generator, noise: float)
 def _init_codebooks(model: DAC, audio: torch.Tensor, gen: torch.Generator) -> None:
     # Latents of O(1), as a trained codec has: tiny random ones make the nearest-code distances
     # so small that float rounding decides near-ties.
-    _scale_conv(model.encoder.model[-1].conv.conv, 1.0 / float(model.encoder(audio).std()))
+    out_conv = dac_mod.child(model.encoder.model, -1, dac_mod.SConv1d).conv.conv
+    _scale_conv(out_conv, 1.0 / float(model.encoder(audio).std()))
     residual = model.encoder(audio)  # [1, D, T]
-    for layer in model.quantizer.vq.layers:
+    for k in range(model.quantizer.vq.num_layers):
+        layer = model.quantizer.vq.layer(k)
         rows = residual[0].t()
         layer._codebook.embed.copy_(_sample_rows(rows, layer._codebook.embed.shape[0], gen, 1.0))
         residual = residual - layer.decode(layer.encode(residual))
     codes = model.quantizer.encode(model.encoder(audio))
     rms = model.decode(codes).pow(2).mean().sqrt()
-    _scale_conv(model.decoder.model[-1].conv.conv, _TARGET_RMS / float(rms))
+    _scale_conv(dac_mod.child(model.decoder.model, -1, dac_mod.SConv1d).conv.conv, _TARGET_RMS / float(rms))
 
 
 def _scale_conv(conv: torch.nn.Conv1d, factor: float) -> None:
     # weight norm: the output scales with g (original0) and the bias
-    conv.parametrizations.weight.original0.mul_(factor)
-    conv.bias.mul_(factor)
+    conv.get_parameter("parametrizations.weight.original0").mul_(factor)
+    conv.get_parameter("bias").mul_(factor)
 
 
 @torch.inference_mode()
 def _init_centroids(model: SSLTokenizer, audio: torch.Tensor, gen: torch.Generator) -> None:
-    last = model.extractor[-1]
+    last = dac_mod.child(model.extractor, -1, ssl_mod.PaddedConv1d)
     factor = 1.0 / float(model.features(audio).std())
     last.weight.mul_(factor)
-    last.bias.mul_(factor)
+    last.get_parameter("bias").mul_(factor)
     feats = model.features(audio)[0].t()
     model.centroids.copy_(_sample_rows(feats, model.centroids.shape[0], gen, 1.0))
 

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from engine.codec.cluster import ClusterTokenizer
-from engine.codec.dac import DAC
+from engine.codec.dac import DAC, SConv1d, child
 from engine.codec.receptive import context_frames
-from engine.vocab import HOP_SAMPLES, NUM_CODEBOOKS, frames_to_global
+from engine.units import HOP_SAMPLES
+from engine.vocab import NUM_CODEBOOKS, frames_to_global
 
 LstmState = tuple[torch.Tensor, torch.Tensor]
 
@@ -67,7 +68,7 @@ class AudioTokenizer:
         left_s, right_s = ssl.context_frames(self.hop, device)
         self.left_frames = max(left_d, left_s)
         self.right_frames = max(right_d, right_s)
-        post_width = enc.post_lstm()[-1].conv.conv.in_channels
+        post_width = child(enc.post_lstm(), -1, SConv1d).conv.conv.in_channels
         self.post_left, self.post_right = context_frames(enc.post_lstm(), post_width, 1, 1, device)
 
     def new_state(self) -> TokenizerState:

@@ -7,7 +7,7 @@ import wave
 
 import numpy as np
 
-from engine.vocab import SAMPLE_RATE_HZ
+from engine.units import SAMPLE_RATE_HZ
 
 _SINC_HALF_TAPS = 16  # taps each side of the windowed-sinc interpolator
 _KAISER_BETA = 8.0

@@ -36,7 +36,8 @@ from torch import nn
 
 from engine.codec.config import load_part
 from engine.codec.cluster import ClusterTokenizer
-from engine.vocab import HOP_SAMPLES, SAMPLE_RATE_HZ, SSL_SIZE
+from engine.units import HOP_SAMPLES, SAMPLE_RATE_HZ
+from engine.vocab import SSL_SIZE
 
 ESPNET_LAYER_NORM_EPS = 1e-12  # espnet.nets.pytorch_backend.transformer.layer_norm.LayerNorm
 

@@ -210,13 +210,14 @@ def read_backbone_config(
         tag = tconf.get("hf_model_tag")
         if not tag:
             raise ConversionError("config.yaml has no transformer_conf.hf_model_tag; pass --backbone-config PATH")
-        path = hub.find_file(str(tag), "config.json", src_dir, tconf.get("revision"), hf_cache_dir)
-        if path is None:
+        found = hub.find_file(str(tag), "config.json", src_dir, tconf.get("revision"), hf_cache_dir)
+        if found is None:
             raise ConversionError(
                 f"backbone config for {tag!r} not found: not a local directory (relative paths are "
                 f"relative to {src_dir}) and not in the local Hugging Face cache; download it or "
                 "pass --backbone-config PATH"
             )
+        path = found
     try:
         return json.loads(path.read_text()), str(path)
     except ValueError:

@@ -44,7 +44,7 @@ RELEASE_CONFIG = "model/config.yaml"
 _KEPT = ("frontend.", "preencoder.", "encoder.")
 _BLOCK = re.compile(r"^encoder\.encoders\.(\d+)\.")
 _POS_V = "encoder.embed.0.conv.parametrizations.weight.original1"
-_WAV2VEC2_STRIDES = {(10, 3, 3, 3, 3, 2, 2): (5, 2, 2, 2, 2, 2, 2)}
+_WAV2VEC2_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {(10, 3, 3, 3, 3, 2, 2): (5, 2, 2, 2, 2, 2, 2)}
 
 
 @dataclasses.dataclass
@@ -169,7 +169,7 @@ def infer_config(
         notes.append("attention heads: 8 (XEUS's; no encoder_conf.attention_heads in a config.yaml)")
     pos_v = next((state[k] for k in state if map_key(k, None) == _POS_V), None)
     if pos_v is None:
-        need("encoder.embed.0.conv.weight_v")
+        pos_v = need("encoder.embed.0.conv.weight_v")  # raises: that key would have been found
     front_conf = espnet_conf.get("frontend_conf") or {}
     normalize_audio = bool(front_conf.get("normalize_audio", True))
     if "normalize_audio" not in front_conf:

@@ -28,10 +28,16 @@ from torch import nn
 from engine import vocab
 
 
+class EmbeddingTable(Protocol):
+    @property
+    def weight(self) -> torch.Tensor: ...  # [V, H]: the table all 9 streams share
+
+
 class Backbone(Protocol):
     """The part of vLLM's LlamaModel the forward uses (a plain-torch stand-in has the same)."""
 
-    embed_tokens: nn.Module  # .weight [V, H]: the table all 9 streams share
+    @property
+    def embed_tokens(self) -> EmbeddingTable: ...
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 

@@ -19,7 +19,6 @@ The layer keeps `LlamaModel`'s (hidden_states, residual) calling convention — 
 from __future__ import annotations
 
 import torch
-from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
@@ -59,7 +58,7 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
         return self.post_feedforward_layernorm(self.mlp(x)), x
 
 
-def make_backbone(vllm_config: VllmConfig, prefix: str, backbone_name: str) -> nn.Module:
+def make_backbone(vllm_config: VllmConfig, prefix: str, backbone_name: str) -> LlamaModel:
     """The backbone module for `backbone_name` (checkpoint.SUPPORTED_BACKBONES)."""
     if backbone_name == "llama":
         return LlamaModel(vllm_config=vllm_config, prefix=prefix)

@@ -34,14 +34,27 @@ Prefix caching and chunked prefill, for pairs only:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 from vllm.utils.math_utils import cdiv
 from vllm.v1.request import Request, RequestStatus
 
 from engine import guidance
 from engine.request import cfg_scale_of, shadow_request
 
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
 
-class CfgPairsMixin:
+    # the checker sees the mixin as what it always runs as: part of a Scheduler subclass
+    from vllm.v1.core.sched.scheduler import Scheduler as _SchedulerBase
+else:
+    _SchedulerBase = object
+
+
+class CfgPairsMixin(_SchedulerBase):
     """Mixed into vLLM's Scheduler subclass; call `_init_pairs()` from its __init__."""
 
     def _init_pairs(self) -> None:
@@ -65,7 +78,11 @@ class CfgPairsMixin:
         super().add_request(shadow)  # right behind its main in the waiting queue
 
     def _make_shadow(self, main: Request) -> Request:
-        ids, extra_args = shadow_request(main.sampling_params.extra_args, main.request_id, list(main.prompt_token_ids))
+        """`main` has sampling params with a cfg_scale (add_request checked) and token ids (not embeds)."""
+        if main.sampling_params is None or main.prompt_token_ids is None:
+            raise ValueError(f"CFG request {main.request_id} needs sampling params and prompt token ids")
+        extra = main.sampling_params.extra_args or {}
+        ids, extra_args = shadow_request(extra, main.request_id, list(main.prompt_token_ids))
         params = main.sampling_params.clone()
         params.extra_args = extra_args
         params.skip_reading_prefix_cache = True
@@ -81,7 +98,7 @@ class CfgPairsMixin:
             block_hasher=main._block_hasher,
         )
 
-    def finish_requests(self, request_ids, finished_status: RequestStatus):
+    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
         if request_ids is not None:
             ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
             request_ids = ids + [self.shadow_of_main[i] for i in ids if i in self.shadow_of_main]
@@ -101,14 +118,14 @@ class CfgPairsMixin:
                 del self.shadow_of_main[mid]
                 self.main_of_shadow.pop(sid, None)
 
-    def drop_shadow_outputs(self, outputs: dict) -> None:
+    def drop_shadow_outputs(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         """Remove every shadow's EngineCoreOutput: nothing of a shadow leaves the engine core."""
         if not self.main_of_shadow:
             return
         for engine_outputs in outputs.values():
             engine_outputs.outputs = [o for o in engine_outputs.outputs if o.request_id not in self.main_of_shadow]
 
-    def make_stats(self, *args, **kwargs):
+    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
         """vLLM's scheduler stats (log_stats), shadows not counted as requests."""
         stats = super().make_stats(*args, **kwargs)
         if stats is not None and self.main_of_shadow:
@@ -228,7 +245,7 @@ class CfgPairsMixin:
 
     # --- after vLLM's schedule() -------------------------------------------------------------
 
-    def check_pairs(self, scheduler_output) -> int:
+    def check_pairs(self, scheduler_output: SchedulerOutput) -> int:
         """Raise unless every pair is scheduled whole, in step; return the number scheduled."""
         scheduled = scheduler_output.num_scheduled_tokens
         pairs = 0

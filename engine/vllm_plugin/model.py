@@ -128,9 +128,14 @@ class OpusLMForCausalLM(nn.Module):
     ) -> torch.Tensor:
         if inputs_embeds is not None:  # vLLM passes embeddings only for prompt-embeds inputs
             return self.model(None, positions, intermediate_tensors, inputs_embeds)
+        if input_ids is None:
+            raise ValueError("the OpusLM forward needs input ids or input embeddings")
         # profiling and capture runs read whatever the buffer holds (valid ids); their output is
         # thrown away
-        return opus_forward(self.model, self.aux_inputs, input_ids, positions, intermediate_tensors)
+        return opus_forward(
+            self.model,  # type: ignore[arg-type]  # VocabParallelEmbedding's .weight is registered by its quant method: torch types it Tensor | Module
+            self.aux_inputs, input_ids, positions, intermediate_tensors,
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch, self._batch = self._batch, None
@@ -188,8 +193,6 @@ class OpusLMForCausalLM(nn.Module):
         shadows = pairs.shadow_rows if len(pairs) else np.empty(0, np.int64)
         writers = commit[text[of_row[commit]] & ~np.isin(commit, shadows)]
         if len(writers):
-            if self._text_head is None:
-                self._text_head = self._make_text_head()
             h = hidden.index_select(0, torch.from_numpy(of_row[writers]).to(dev))
             logits = self._text_logits(h)
             heads.mask_text_logits_(logits, plan.text_rules[writers], plan.switch[writers])
@@ -203,6 +206,8 @@ class OpusLMForCausalLM(nn.Module):
 
     def _text_logits(self, h: torch.Tensor) -> torch.Tensor:
         """heads.text_logits, with vLLM's GEMM kernel for the text block."""
+        if self._text_head is None:
+            self._text_head = self._make_text_head()
         head, markers = self._text_head
         marker_logits = torch.nn.functional.linear(h, markers.weight, markers.bias)
         text = dispatch_unquantized_gemm()(head, h, head.weight, head.bias)
@@ -212,12 +217,13 @@ class OpusLMForCausalLM(nn.Module):
         """lm_head's text rows (a view) with stream 0's bias, prepacked like the audio head; and the
         two marker rows (EOS, the switch marker) with theirs."""
         text_end = vocab.TEXT_OFFSET + int(self.config.opuslm["text_size"])
-        weight = self.lm_head.weight.data[vocab.TEXT_OFFSET : text_end]
-        bias = heads.text_bias(self.lm_head.weight, self.head_emb.weight, text_end).to(weight.dtype)
+        table = self._lm_head_weight()
+        weight = table.data[vocab.TEXT_OFFSET : text_end]
+        bias = heads.text_bias(table, self.head_emb.weight, text_end).to(weight.dtype)
         head = _AudioHead(weight, bias[modality.TEXT_COLUMN0 :].contiguous())
         if current_platform.is_cpu():
-            dispatch_cpu_unquantized_gemm(head, remove_weight=False)
-        markers = _AudioHead(self.lm_head.weight.data[list(modality.MARKER_IDS)], bias[: modality.TEXT_COLUMN0].contiguous())
+            dispatch_cpu_unquantized_gemm(head, remove_weight=False)  # type: ignore[arg-type]  # duck-typed: vLLM reads .weight/.bias and sets .cpu_linear
+        markers = _AudioHead(table.data[list(modality.MARKER_IDS)], bias[: modality.TEXT_COLUMN0].contiguous())
         return head, markers
 
     def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -233,11 +239,20 @@ class OpusLMForCausalLM(nn.Module):
         On a CPU, vLLM prepacks a weight into a oneDNN handle when the model is loaded; this
         narrower weight gets its own handle here, the same way. The rows are a view: no copy.
         """
-        weight = self.lm_head.weight.data[: heads.AUDIO_END]
-        head = _AudioHead(weight, heads.stream_bias(self.lm_head.weight, self.head_emb.weight).to(weight.dtype))
+        table = self._lm_head_weight()
+        weight = table.data[: heads.AUDIO_END]
+        head = _AudioHead(weight, heads.stream_bias(table, self.head_emb.weight).to(weight.dtype))
         if current_platform.is_cpu():
-            dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+            dispatch_cpu_unquantized_gemm(head, remove_weight=False)  # type: ignore[arg-type]  # duck-typed: vLLM reads .weight/.bias and sets .cpu_linear
         return head
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        """lm_head's [V, H] table. vLLM's quant method registers it, so torch types the attribute
+        Tensor | Module; it is a Parameter."""
+        weight = self.lm_head.weight
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"lm_head.weight is a {type(weight).__name__}, not a tensor")
+        return weight
 
     @staticmethod
     def _merge_pairs(hidden: torch.Tensor, pairs: CfgPairs, merge: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:

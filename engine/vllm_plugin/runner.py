@@ -16,6 +16,9 @@ Hooks into vLLM's V1 model runner (all listed in engine/README.md):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 import torch
 from vllm.v1.outputs import ModelRunnerOutput, SamplingMaskLists
@@ -26,37 +29,63 @@ from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 
 from engine.sampling import SamplingConfig
 from engine.vllm_plugin import plugin_settings
+from engine.vllm_plugin.model import OpusLMForCausalLM
 from engine.vllm_plugin.stream_state import StepBatch
 
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
+    from vllm.sequence import IntermediateTensors
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.outputs import AsyncModelRunnerOutput, SamplerOutput
 
-def sampling_config(params) -> SamplingConfig:
+    # the checker sees the mixin as what it always runs as: part of a V1 runner (CPUModelRunner is one)
+    _RunnerBase = GPUModelRunner
+else:
+    _RunnerBase = object
+
+
+def sampling_config(params: SamplingParams) -> SamplingConfig:
     """vLLM SamplingParams -> the config the aux streams are sampled with."""
     top_k = params.top_k if params.top_k and params.top_k > 0 else 0
     return SamplingConfig(temperature=params.temperature, top_k=top_k, top_p=params.top_p, seed=params.seed)
 
 
-class OpusRunnerMixin:
+class OpusRunnerMixin(_RunnerBase):
     """Mixed into vLLM's V1 runner (CPU or GPU); overrides as little as possible."""
 
-    def _update_states(self, scheduler_output):
+    def opus_model(self) -> OpusLMForCausalLM:
+        """The loaded model (vLLM's get_model() unwraps any CUDA-graph wrapper), as its class."""
         model = self.get_model()
+        if not isinstance(model, OpusLMForCausalLM):
+            raise TypeError(f"the OpusLM runner runs OpusLMForCausalLM, not {type(model).__name__}")
+        return model
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> Callable[..., Any] | None:
+        model = self.opus_model()
         for req_id in scheduler_output.finished_req_ids:
             model.remove_request(req_id)
         result = super()._update_states(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
-            model.add_request(
-                new.req_id,
-                new.sampling_params.extra_args,
-                len(new.prompt_token_ids),
-                sampling_config(new.sampling_params),
-            )
+            params, prompt = new.sampling_params, new.prompt_token_ids
+            if params is None or prompt is None:  # a pooling request, or prompt embeddings
+                raise ValueError(f"OpusLM request {new.req_id}: only generation from prompt token ids")
+            model.add_request(new.req_id, params.extra_args, len(prompt), sampling_config(params))
         return result
 
-    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+    def _model_forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **model_kwargs: Any,
+    ) -> Any:
         # Outside the model's (possibly captured) forward: write this step's aux ids into the
         # model's persistent buffer for all `positions` tokens, the CUDA-graph padding included.
+        if positions is None:
+            raise ValueError("the OpusLM forward needs positions")
         n = self.input_batch.num_reqs
-        self.get_model().begin_step(
+        self.opus_model().begin_step(
             StepBatch(
                 req_ids=list(self.input_batch.req_ids[:n]),
                 query_start_loc=self.query_start_loc.np[: n + 1].astype(np.int64),
@@ -65,16 +94,16 @@ class OpusRunnerMixin:
             ),
             num_tokens=positions.shape[-1],
         )
-        return super()._model_forward(input_ids, positions, *args, **kwargs)
+        return super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
 
-    def _sample(self, logits, *args, **kwargs):
+    def _sample(self, logits: torch.Tensor | None, *args: Any, **kwargs: Any) -> SamplerOutput:
         md = self.input_batch.sampling_metadata
         if md.top_k is not None and logits is not None:
             # stream 0's logits are heads.STREAM0_WIDTH wide, not the vocabulary: vLLM marks rows
             # without top-k by k == vocab size, which must read k == width
             md.top_k = md.top_k.clamp(max=logits.shape[-1])
         out = super()._sample(logits, *args, **kwargs)
-        model = self.get_model()
+        model = self.opus_model()
         text_rows, text_tokens = model.step_text
         if len(text_rows):  # a text-phase row's stream 0 was sampled by the model (its logits: a placeholder)
             tok = out.sampled_token_ids
@@ -86,10 +115,15 @@ class OpusRunnerMixin:
             tok[torch.from_numpy(pairs.shadow_rows).to(tok.device)] = tok[main]
         return out
 
-    def sample_tokens(self, grammar_output):
-        out = super().sample_tokens(grammar_output)
+    # vLLM decorates its sample_tokens with a bare `@torch.inference_mode`, which torch's stubs type
+    # as the context manager object, not the method it returns at run time: hence the two ignores
+    def sample_tokens(  # type: ignore[override]  # see above: vLLM's method is typed as an inference_mode
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput | IntermediateTensors:
+        out: ModelRunnerOutput | AsyncModelRunnerOutput | IntermediateTensors
+        out = super().sample_tokens(grammar_output)  # type: ignore[type-var,assignment]  # see above
         if isinstance(out, ModelRunnerOutput) and out.req_ids:
-            aux = self.get_model().end_step(out.req_ids, out.sampled_token_ids)
+            aux = self.opus_model().end_step(out.req_ids, out.sampled_token_ids)
             offsets = np.zeros(len(aux) + 1, dtype=np.int64)
             offsets[1:] = np.cumsum([len(a) for a in aux])
             out.sampling_masks = SamplingMaskLists(

@@ -30,12 +30,13 @@ import math
 import time
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
 
 from engine import vocab
 from engine.delay import MAX_DELAY
 from engine.modality import SWITCH_TOKEN
 from engine.request import EXTRA_ARGS_KEY
-from engine.service_api import FRAME_MS
+from engine.units import FRAME_MS
 from engine.vllm_plugin import plugin_settings, urgent_tokens
 from engine.vllm_plugin.cfg_pairs import CfgPairsMixin
 
@@ -108,7 +109,8 @@ class OpusScheduler(CfgPairsMixin, Scheduler):
         active, held = order_by_slack([self.slack_s(u[0], now) for u in units], self.pacing_lead_s)
         held_reqs = [r for i in held for r in units[i]]
         active_units = [units[i] for i in active]
-        hidden = []
+        hidden: list[Request] = []
+        budget, free, preempted = 0, 0, False  # what fit_running leaves, when there are pairs
         if self.shadow_of_main:
             active_units, budget_held, budget, free, preempted = self.fit_running(active_units, now)
             held_reqs += budget_held

@@ -247,7 +247,10 @@ class StreamStateStore:
 
     def text_sampling_rows(self, batch: StepBatch, rows: np.ndarray) -> tuple[list[SamplingConfig], list[torch.Generator | None]]:
         states = [self.requests[batch.req_ids[r]] for r in rows]
-        return [s.text_sampling for s in states], [s.text_generator for s in states]
+        configs = [s.text_sampling for s in states if s.text_sampling is not None]
+        if len(configs) != len(states):  # only a text-first request has a text phase
+            raise RuntimeError("a text-phase row of a request that does not start with text")
+        return configs, [s.text_generator for s in states]
 
     def aux_fill(self, batch: StepBatch, rows: np.ndarray, audio_steps: np.ndarray) -> np.ndarray | int:
         """What the inactive aux streams of `rows` hold this step (heads.carry_fill): PAD unless a row

@@ -90,3 +90,19 @@ def test_generate_bad_input_exits_2_with_a_message(tmp_path: Path, args: list[st
     p = duplex("generate", "--engine", "reference", *args, "--out", str(tmp_path / "x.npy"))
     assert p.returncode == 2
     assert message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_duplex_runs_the_engine_and_the_gateway_commands_and_engine_cli_the_engine_ones() -> None:
+    """The console script is the module above both packages; `python -m engine.cli` knows no gateway."""
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["duplex"] == "realtime.cli.main:main"
+    engine_cmds, gateway_cmds = ["model", "generate", "decode", "encode", "convert"], ["serve", "client", "soak"]
+    top = subprocess.run([sys.executable, "-m", "realtime.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert top.returncode == 0 and all(f"    {c} " in top.stdout for c in engine_cmds + gateway_cmds), top.stdout
+    alone = duplex("--help", timeout=120)
+    assert alone.returncode == 0 and all(f"    {c} " in alone.stdout for c in engine_cmds), alone.stdout
+    assert not any(f"    {c} " in alone.stdout for c in gateway_cmds)
+    bad = duplex("serve", timeout=120)
+    assert bad.returncode == 2 and "invalid choice: 'serve'" in bad.stderr

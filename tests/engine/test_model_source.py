@@ -50,7 +50,7 @@ def test_a_hub_id_serves_from_the_local_hf_cache_offline(tmp_path: Path, tiny_mo
 
 
 def test_serve_refuses_a_model_that_is_not_there_with_one_line(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "nope"), "--port", "0"],
+    r = subprocess.run([sys.executable, "-m", "realtime.cli", "serve", "--model", str(tmp_path / "nope"), "--port", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "no such directory" in r.stderr and "Traceback" not in r.stderr

@@ -397,7 +397,7 @@ def _write_wav(path: Path, pcm: np.ndarray, rate: int) -> None:
 
 
 def _duplex(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.cli", "client", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    return subprocess.run([sys.executable, "-m", "realtime.cli", "client", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
 
 
 def test_duplex_client_cli_two_turns(gateway, speech, tmp_path):

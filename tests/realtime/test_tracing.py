@@ -255,7 +255,7 @@ def test_exporters_come_from_the_standard_variables(env, names):
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
 ])
 def test_an_exporter_the_server_cannot_honour_stops_serve_before_the_engine_starts(env, named_var, monkeypatch, capsys):
-    from engine.cli import main
+    from realtime.cli.main import main
 
     _without_otel_env(monkeypatch)
     for key, value in env.items():

@@ -1,0 +1,5 @@
+import sys
+
+from realtime.cli.main import main
+
+sys.exit(main())
