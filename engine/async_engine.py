@@ -12,39 +12,59 @@ import asyncio
 import itertools
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine import guidance, vocab
 from engine.checkpoint import load_config
 from engine.request import AudioRequest, Generation
+from engine.service_config import DType, EngineServiceConfig
 from engine.vllm_plugin import SETTINGS_KEY, urgent_tokens
+
+if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+
+_SERVICE = EngineServiceConfig()  # the settings both configs share take the service's defaults: one set
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """vLLM settings for serving OpusLM (every field has a YAML/CLI counterpart)."""
+    """vLLM settings for serving OpusLM. The engine service builds it from its own config
+    (`for_service`); tests and benchmarks that drive this layer alone build it directly."""
 
     model: str
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_gib: float = 1.0  # CPU: VLLM_CPU_KVCACHE_SPACE; CUDA: kv_cache_memory_bytes
+    max_num_seqs: int = _SERVICE.max_num_seqs
+    max_model_len: int | None = _SERVICE.max_model_len
+    max_num_batched_tokens: int | None = _SERVICE.max_num_batched_tokens
+    kv_cache_gib: float = _SERVICE.kv_cache_gib  # CPU: VLLM_CPU_KVCACHE_SPACE; CUDA: kv_cache_memory_bytes
     num_kv_blocks: int | None = None  # overrides the KV size (tests force preemption with it)
-    block_size: int | None = None
-    enforce_eager: bool = True
-    enable_chunked_prefill: bool = True
+    block_size: int | None = None  # None: vLLM's (the service sets its kv_block_size)
+    enforce_eager: bool = _SERVICE.enforce_eager
+    enable_chunked_prefill: bool = _SERVICE.enable_chunked_prefill
     enable_prefix_caching: bool = True
     log_stats: bool = False  # per-request vLLM stats (e.g. preemption counts)
-    pacing_lead_ms: float = 500.0  # realtime requests run at most this far ahead of playback
+    pacing_lead_ms: float = _SERVICE.pacing_lead_ms  # realtime requests run at most this far ahead of playback
     cpu_threads: int = 0  # CPU backend: the engine core's torch/OpenMP threads; 0 = vLLM's default (all cores)
-    first_chunk_frames: int = 4  # the codec's first chunk: a realtime response is most urgent until it can be decoded
-    seed: int = 0
-    dtype: str = "float32"
-    data_parallel_size: int = 1  # engine cores (vLLM data parallelism); a request names its rank
-    extra_engine_args: dict = field(default_factory=dict)
+    # the codec's first chunk: a realtime response is most urgent until it can be decoded
+    first_chunk_frames: int = _SERVICE.first_chunk_frames
+    seed: int = _SERVICE.seed
+    dtype: DType = _SERVICE.vllm_dtype
+    data_parallel_size: int = _SERVICE.data_parallel_size  # engine cores (vLLM data parallelism); a request names its rank
+
+    @classmethod
+    def for_service(cls, cfg: EngineServiceConfig, model: str, cpu_threads: int) -> EngineConfig:
+        """The engine service's settings as vLLM's (the one place they are mapped): `model` is the
+        resolved checkpoint directory, `cpu_threads` the engine core's (engine_cpu_threads)."""
+        return cls(model=model, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+                   max_num_batched_tokens=cfg.max_num_batched_tokens, kv_cache_gib=cfg.kv_cache_gib,
+                   block_size=cfg.kv_block_size, enforce_eager=cfg.enforce_eager,
+                   enable_chunked_prefill=cfg.enable_chunked_prefill, pacing_lead_ms=cfg.pacing_lead_ms,
+                   cpu_threads=cpu_threads, first_chunk_frames=cfg.first_chunk_frames, seed=cfg.seed,
+                   dtype=cfg.vllm_dtype, data_parallel_size=cfg.data_parallel_size)
 
 
 @dataclass
@@ -82,20 +102,28 @@ def _set_vllm_env(cfg: EngineConfig) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def engine_args(cfg: EngineConfig):
+def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
     """AsyncEngineArgs wiring the plugin's worker and scheduler into vLLM."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
     worker = "OpusCPUWorker" if current_platform.is_cpu() else "OpusGPUWorker"
     model_cfg = load_config(cfg.model)
-    kwargs = dict(
+    # vLLM's data parallelism: one engine core per rank, all on this machine (loopback). A dense
+    # model's ranks are independent engines (EngineCoreProc, no DP group, no dummy batches); the
+    # uni executor keeps each rank's worker inside its engine core, as with one engine (vLLM
+    # would pick the mp executor for DP: a worker process more per rank).
+    several = cfg.data_parallel_size > 1
+    return AsyncEngineArgs(
         model=str(Path(cfg.model).resolve()),
         skip_tokenizer_init=True,
         dtype=cfg.dtype,
         enforce_eager=cfg.enforce_eager,
         max_num_seqs=cfg.max_num_seqs,
         max_model_len=cfg.max_model_len or model_cfg.max_position_embeddings,
+        max_num_batched_tokens=cfg.max_num_batched_tokens or None,  # None: vLLM's default
+        num_gpu_blocks_override=cfg.num_kv_blocks or None,
+        block_size=cfg.block_size or None,
         seed=cfg.seed,
         worker_cls=f"engine.vllm_plugin.runner.{worker}",
         scheduler_cls="engine.vllm_plugin.scheduler.OpusScheduler",
@@ -107,24 +135,11 @@ def engine_args(cfg: EngineConfig):
         disable_log_stats=not cfg.log_stats,
         additional_config={SETTINGS_KEY: {"pacing_lead_ms": cfg.pacing_lead_ms, "cpu_threads": cfg.cpu_threads,
                                           "urgent_tokens": urgent_tokens(cfg.first_chunk_frames)}},
+        data_parallel_size=cfg.data_parallel_size,
+        data_parallel_address="127.0.0.1" if several else None,
+        distributed_executor_backend="uni" if several else None,
+        kv_cache_memory_bytes=None if current_platform.is_cpu() else int(cfg.kv_cache_gib * 2**30),
     )
-    if cfg.max_num_batched_tokens:
-        kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-    if cfg.num_kv_blocks:
-        kwargs["num_gpu_blocks_override"] = cfg.num_kv_blocks
-    if cfg.block_size:
-        kwargs["block_size"] = cfg.block_size
-    if cfg.data_parallel_size > 1:
-        # vLLM's data parallelism: one engine core per rank, all on this machine (loopback). A dense
-        # model's ranks are independent engines (EngineCoreProc, no DP group, no dummy batches); the
-        # uni executor keeps each rank's worker inside its engine core, as with one engine (vLLM
-        # would pick the mp executor for DP: a worker process more per rank).
-        kwargs.update(data_parallel_size=cfg.data_parallel_size, data_parallel_address="127.0.0.1",
-                      distributed_executor_backend="uni")
-    if not current_platform.is_cpu():
-        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
-    kwargs.update(cfg.extra_engine_args)
-    return AsyncEngineArgs(**kwargs)
 
 
 def sampling_params(request: AudioRequest):

@@ -14,7 +14,7 @@ hold no conversation slot: how many may run at once is the gateway's bound (`aud
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import numpy as np
@@ -28,24 +28,27 @@ from engine.service_api import FRAME_MS, AtCapacity, AudioChunk, EngineError, Sp
 from engine.text import TextTokenizer
 
 
-
 class OneShotHost(Protocol):
-    """What these requests use of engine.service.Engine."""
+    """What these requests use of the engine's model path (engine.pipeline.Pipeline)."""
 
-    ready: bool
-    text_tokenizer: TextTokenizer | None
-    max_model_len: int
     prompt_layout: PromptLayout  # the checkpoint's (engine/layout.py)
 
-    async def tokenize_clip(self, pcm: np.ndarray) -> np.ndarray: ...
+    @property
+    def ready(self) -> bool: ...
 
-    def pick_rank(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+
+    async def tokenize_clip(self, pcm: np.ndarray) -> np.ndarray: ...
 
     def require_text(self) -> TextTokenizer: ...
 
     def text_deltas(self, request: AudioRequest, request_id: str, rank: int = 0) -> AsyncIterator[str]: ...
 
-    def stream_audio(self, request: AudioRequest, response_id: str) -> AsyncIterator[AudioChunk]: ...
+    def stream_audio(self, request: AudioRequest, response_id: str, rank: int) -> AsyncIterator[AudioChunk]: ...
+
+
+PickRank = Callable[[], int]  # the engine rank with the most headroom now (data parallelism)
 
 
 _ids = itertools.count()
@@ -83,18 +86,19 @@ def tts_request(text_ids: list[int], speaker_frames: np.ndarray | None, options:
                         sampling=_sampling(options))
 
 
-async def transcribe(engine: OneShotHost, pcm_16k: np.ndarray, options: TranscriptionOptions) -> AsyncIterator[str]:
+async def transcribe(engine: OneShotHost, pick_rank: PickRank, pcm_16k: np.ndarray,
+                     options: TranscriptionOptions) -> AsyncIterator[str]:
     _check_ready(engine)
     engine.require_text()
     pcm = np.asarray(pcm_16k)
     if pcm.ndim != 1 or pcm.size == 0:
         raise ValueError("transcribe needs mono audio with at least one sample")
     request = asr_request(await engine.tokenize_clip(pcm), options, engine.max_model_len)
-    async for delta in engine.text_deltas(request, f"asr-{next(_ids)}", engine.pick_rank()):
+    async for delta in engine.text_deltas(request, f"asr-{next(_ids)}", pick_rank()):
         yield delta
 
 
-async def synthesize(engine: OneShotHost, text: str, options: SpeechOptions) -> AsyncIterator[AudioChunk]:
+async def synthesize(engine: OneShotHost, pick_rank: PickRank, text: str, options: SpeechOptions) -> AsyncIterator[AudioChunk]:
     _check_ready(engine)
     tokenizer = engine.require_text()
     if not text or not text.strip():
@@ -104,5 +108,5 @@ async def synthesize(engine: OneShotHost, text: str, options: SpeechOptions) -> 
         speaker = await engine.tokenize_clip(np.asarray(options.speaker_prompt_pcm))
     request = tts_request([int(i) for i in tokenizer.encode(text)], speaker, options, engine.max_model_len,
                           engine.prompt_layout)
-    async for chunk in engine.stream_audio(request, f"tts-{next(_ids)}"):
+    async for chunk in engine.stream_audio(request, f"tts-{next(_ids)}", pick_rank()):
         yield chunk

@@ -38,8 +38,8 @@ from typing import Protocol
 
 import numpy as np
 
-SAMPLE_RATE_HZ = 16_000  # engine-side audio: mono int16 at 16 kHz, in and out (the one definition)
-FRAME_MS = 20.0  # one model frame
+# the contract's audio: mono int16 at SAMPLE_RATE_HZ, in and out; defined in engine/units.py
+from engine.units import FRAME_MS as FRAME_MS, SAMPLE_RATE_HZ as SAMPLE_RATE_HZ  # noqa: F401
 
 
 class EngineError(Exception):
@@ -217,11 +217,14 @@ class ResponseHandle(Protocol):
     """One answer being generated. Its `id` is the gateway's response id, the engine's request id and
     the codec stage's stream id: one name for one response everywhere."""
 
-    id: str
-    # Context management, final before the first chunk and before `chunks()` ends or raises: the ids
-    # of the earlier responses whose exchanges (the user turn each answered, and the answer) were
-    # dropped from the history to fit this one, oldest first; () when nothing was dropped.
-    dropped_exchanges: tuple[str, ...]
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def dropped_exchanges(self) -> tuple[str, ...]:
+        """Context management, final before the first chunk and before `chunks()` ends or raises: the ids
+        of the earlier responses whose exchanges (the user turn each answered, and the answer) were
+        dropped from the history to fit this one, oldest first; () when nothing was dropped."""
 
     def chunks(self) -> AsyncIterator[AudioChunk]:
         """The answer's audio, in order, until a chunk with `is_last`; ends early (without `is_last`)
@@ -317,9 +320,10 @@ class Conversation(Protocol):
 
 
 class EngineLike(Protocol):
-    # the model has a text tokenizer: it can transcribe, write answers' text, read text turns, and serve
-    # transcribe/synthesize; without one those raise NoTextModel and the gateway refuses them up front
-    supports_text: bool
+    @property
+    def supports_text(self) -> bool:
+        """The model has a text tokenizer: it can transcribe, write answers' text, read text turns, and serve
+        transcribe/synthesize; without one those raise NoTextModel and the gateway refuses them up front."""
 
     def open_conversation(self, session_id: str, options: ConversationOptions | None = None) -> Conversation: ...
 

@@ -2,9 +2,9 @@
 
 Every `duplex serve` flag has a key here (flag -> key: --host server.host, --port server.port,
 --token server.token, --model engine.model). Unknown keys and wrong types raise ValueError naming
-the key (`duplex serve` turns that into exit code 2). The `engine` section is passed to
-`engine.service.EngineServiceConfig` by field name, checked against its fields when the engine is
-built; everything else is checked here.
+the key (`duplex serve` turns that into exit code 2). The `engine` section is
+`engine.service_config.EngineServiceConfig` (torch-free), whose fields carry their own bounds; everything
+else is checked here.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from engine.service_api import DEFAULT_OPTIONS as ENGINE_DEFAULTS
 from engine.service_api import DEFAULT_RETENTION_RATIO, ConversationOptions
+from engine.service_config import EngineServiceConfig
 from realtime.input_budget import InputLimits
 from realtime.noise_suppression import NOISE_REDUCTION_TYPES
 from realtime.vad import VadParams
@@ -246,7 +247,7 @@ class ServerConfig:
     telephony: TelephonySection = field(default_factory=TelephonySection)
     webrtc: WebRtcSection = field(default_factory=WebRtcSection)
     audio_api: AudioApiSection = field(default_factory=AudioApiSection)
-    engine: dict = field(default_factory=dict)  # EngineServiceConfig fields (model: null = tiny model)
+    engine: EngineServiceConfig = field(default_factory=EngineServiceConfig)  # model: null = the tiny model
 
 
 def _check(value, annotation, key: str):
@@ -299,14 +300,12 @@ def config_from_dict(data: dict | None) -> ServerConfig:
     if not isinstance(data, dict):
         raise ValueError("config: the top level must be a mapping")
     sections = {"server": ServerSection, "limits": LimitsSection, "audio": AudioSection, "vad": VadSection, "session": SessionSection,
-                "telephony": TelephonySection, "webrtc": WebRtcSection, "audio_api": AudioApiSection}
+                "telephony": TelephonySection, "webrtc": WebRtcSection, "audio_api": AudioApiSection,
+                "engine": EngineServiceConfig}  # (its bounds: checked by the dataclass itself, naming the key)
     for k in data:
-        if k not in sections and k != "engine":
-            raise ValueError(f"config key '{k}': unknown section (known: {', '.join(sorted([*sections, 'engine']))})")
-    engine = data.get("engine") or {}
-    if not isinstance(engine, dict):
-        raise ValueError(f"config key 'engine': expected a mapping, got {engine!r}")
-    cfg = ServerConfig(**{k: _section(cls, data.get(k), k) for k, cls in sections.items()}, engine=dict(engine))
+        if k not in sections:
+            raise ValueError(f"config key '{k}': unknown section (known: {', '.join(sorted(sections))})")
+    cfg = ServerConfig(**{k: _section(cls, data.get(k), k) for k, cls in sections.items()})
     validate(cfg)
     return cfg
 
@@ -356,11 +355,8 @@ def validate(cfg: ServerConfig) -> None:
     for name, why in cfg.session.problems():
         raise ValueError(f"config key 'session.{name}': value out of range ({why})")
     for key, params in (("vad", cfg.vad), ("telephony.vad", cfg.telephony.vad), ("limits.input", cfg.limits.input)):
-        try:
-            params.validate()
-        except ValueError as e:  # "turn_detection.NAME must be ...": the same rule as session.update's
-            name = str(e).split()[0].split(".")[-1]
-            raise ValueError(f"config key '{key}.{name}': value out of range ({str(e).split(' ', 1)[1]})") from None
+        for name, why in params.problems():  # the same rules as session.update's turn_detection
+            raise ValueError(f"config key '{key}.{name}': value out of range ({why})")
     if not all(isinstance(h, str) and h for h in cfg.telephony.allowed_hosts):
         raise ValueError("config key 'telephony.allowed_hosts': a list of host names (host or host:port)")
     for name, path in cfg.session.voices.items():
@@ -373,8 +369,7 @@ def validate(cfg: ServerConfig) -> None:
 def with_overrides(cfg: ServerConfig, **keys) -> ServerConfig:
     """Apply dotted-key overrides (from CLI flags), e.g. with_overrides(cfg, **{"server.port": 9000}); None = keep."""
     data = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("server", "limits", "audio", "vad", "session", "telephony", "webrtc",
-                                                             "audio_api")}
-    data["engine"] = dict(cfg.engine)
+                                                             "audio_api", "engine")}
     for dotted, value in keys.items():
         if value is None:
             continue

@@ -96,7 +96,7 @@ def first_chunk_decode_ms(engine: Engine, repeats: int = 20) -> float:
     from engine.vocab import CODEBOOK_SIZE, NUM_CODEBOOKS
 
     cfg = engine.config
-    dec = StreamingDecoder(DAC.from_dir(engine.model_dir), StreamConfig(first_chunk_frames=cfg.first_chunk_frames,
+    dec = StreamingDecoder(DAC.from_dir(engine.pipeline.model_dir), StreamConfig(first_chunk_frames=cfg.first_chunk_frames,
                                                                         chunk_frames=cfg.chunk_frames))
     rng = np.random.default_rng(0)
     times = []

@@ -44,8 +44,8 @@ async def time_ours(engine, clips: list[np.ndarray], options: TranscriptionOptio
 async def time_reference(engine, ref, clips: list[np.ndarray], options: TranscriptionOptions) -> float:
     t0 = time.perf_counter()
     for pcm in clips:
-        frames = await engine.tokenize_clip(pcm)
-        ref.generate(oneshot.asr_request(frames, options, engine.max_model_len))
+        frames = await engine.pipeline.tokenize_clip(pcm)
+        ref.generate(oneshot.asr_request(frames, options, engine.pipeline.max_model_len))
     return sum(len(c) for c in clips) / 16000.0 / (time.perf_counter() - t0)
 
 
@@ -53,7 +53,7 @@ async def time_lm(engine, ref, requests: list, seconds: float) -> float:
     """The language model alone: vLLM (all at once) or, with `ref`, the reference (one at a time)."""
     t0 = time.perf_counter()
     if ref is None:
-        await asyncio.gather(*(engine.llm.generate(r) for r in requests))
+        await asyncio.gather(*(engine.pipeline.llm.generate(r) for r in requests))
     else:
         for r in requests:
             ref.generate(r)
@@ -65,7 +65,7 @@ async def main_async(args: argparse.Namespace) -> int:
     from engine.service import Engine, EngineServiceConfig
 
     engine = await Engine.start(EngineServiceConfig(model=args.model, max_num_seqs=max(args.concurrency)))
-    ref = ReferenceOpusLM.from_dir(engine.model_dir)
+    ref = ReferenceOpusLM.from_dir(engine.pipeline.model_dir)
     options = TranscriptionOptions(max_tokens=args.tokens, min_tokens=args.tokens)  # fixed-length transcripts
     clips = [(speech_like(args.clip_s, seed=i) * 20000).astype(np.int16) for i in range(max(args.concurrency))]
     rates: dict[str, float] = {}
@@ -75,7 +75,7 @@ async def main_async(args: argparse.Namespace) -> int:
 
     try:
         await time_ours(engine, clips[:2], options)  # warm
-        reqs = [oneshot.asr_request(await engine.tokenize_clip(c), options, engine.max_model_len) for c in clips]
+        reqs = [oneshot.asr_request(await engine.pipeline.tokenize_clip(c), options, engine.pipeline.max_model_len) for c in clips]
         for _ in range(args.repeats):
             for n in args.concurrency:
                 best(f"ours_{n}", await time_ours(engine, clips[:n], options))

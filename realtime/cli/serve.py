@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import gc
 import logging
 import secrets
 import signal
 
+from engine.service_config import EngineServiceConfig
 from realtime.config import ServerConfig, load_config, with_overrides
 from realtime.voices import load_voices
 
@@ -31,27 +31,8 @@ def register(subparsers) -> None:
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
     cfg = load_config(args.config)
-    cfg = with_overrides(cfg, **{"server.host": args.host, "server.port": args.port, "server.token": args.token,
-                                 "server.replica_id": args.replica_id})
-    if args.model is not None:
-        cfg = dataclasses.replace(cfg, engine={**cfg.engine, "model": args.model})
-    return cfg
-
-
-def engine_config(cfg: ServerConfig):
-    """The `engine` section as an EngineServiceConfig; unknown keys and bad types name the key."""
-    from engine.service import EngineServiceConfig
-
-    fields = {f.name: f for f in dataclasses.fields(EngineServiceConfig)}
-    for key, value in cfg.engine.items():
-        if key not in fields:
-            raise ValueError(f"config key 'engine.{key}': unknown key (known: {', '.join(sorted(fields))})")
-        default = fields[key].default
-        if value is not None and default is not None and default is not dataclasses.MISSING:
-            ok = isinstance(value, type(default)) or (isinstance(default, float) and isinstance(value, int))
-            if not ok or (isinstance(value, bool) and not isinstance(default, bool)):
-                raise ValueError(f"config key 'engine.{key}': expected {type(default).__name__}, got {value!r}")
-    return EngineServiceConfig(**cfg.engine)
+    return with_overrides(cfg, **{"server.host": args.host, "server.port": args.port, "server.token": args.token,
+                                  "server.replica_id": args.replica_id, "engine.model": args.model})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,9 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from realtime.tracing import exporter_names
 
     exporter_names()  # a span exporter this server cannot honour (OTEL_TRACES_EXPORTER, ...) fails now
-    ecfg = engine_config(cfg)
     voices = load_voices(cfg.session.voices)  # a bad voice file fails now, not after the engine's start-up
-    return asyncio.run(_serve(cfg, ecfg, voices))
+    return asyncio.run(_serve(cfg, cfg.engine, voices))
 
 
 def _freeze_startup_heap() -> None:
@@ -76,7 +56,7 @@ def _freeze_startup_heap() -> None:
     log.info("start-up heap frozen for the garbage collector: %d objects", gc.get_freeze_count())
 
 
-async def _serve(cfg: ServerConfig, ecfg, voices: dict) -> int:
+async def _serve(cfg: ServerConfig, ecfg: EngineServiceConfig, voices: dict) -> int:
     from engine.service import Engine
     from realtime.server import Gateway
 

@@ -360,7 +360,7 @@ def test_the_mounted_config_loads_with_the_servers_loader(tmp_path: Path) -> Non
     path = tmp_path / "server.yaml"
     path.write_text(text)
     cfg = load_config(path)
-    assert cfg.server.port == 8000 and cfg.engine.get("model") is None
+    assert cfg.server.port == 8000 and cfg.engine.model is None
     assert cfg.limits.drain_timeout_s == yaml.safe_load(text)["limits"]["drain_timeout_s"]
 
 

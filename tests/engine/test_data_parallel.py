@@ -41,13 +41,12 @@ def test_the_ranks_share_the_cores_the_codec_leaves() -> None:
 
 
 def test_the_serve_config_names_the_key() -> None:
-    from realtime.cli.serve import engine_config
-    from realtime.config import ServerConfig
+    from realtime.config import config_from_dict
 
-    assert engine_config(ServerConfig(engine={"data_parallel_size": 2})).data_parallel_size == 2
+    assert config_from_dict({"engine": {"data_parallel_size": 2}}).engine.data_parallel_size == 2
     for bad in ("two", 0):
         with pytest.raises(ValueError, match="engine.data_parallel_size"):
-            engine_config(ServerConfig(engine={"data_parallel_size": bad}))
+            config_from_dict({"engine": {"data_parallel_size": bad}})
 
 
 def test_rank_metrics_come_from_the_load() -> None:
@@ -104,7 +103,7 @@ async def one_turn(conv, seconds: float, seed: int) -> tuple[np.ndarray, np.ndar
 
 @pytest.mark.vllm
 def test_the_ranks_start_warm_with_one_thread_each(engine, loop_thread) -> None:
-    assert loop_thread.run(engine.llm.rank_threads()) == [1] * RANKS
+    assert loop_thread.run(engine.pipeline.llm.rank_threads()) == [1] * RANKS
     assert [sorted(t) for t in engine.warm_step_ms] == [[1, 4, 8]] * RANKS  # every rank measured its own steps
     assert engine.health().ready and [r["rank"] for r in engine.load().extra["ranks"]] == list(range(RANKS))
 

@@ -47,10 +47,10 @@ def test_transcribe_is_the_reference_transcript_in_deltas(engine, loop_thread, r
     options = TranscriptionOptions(max_tokens=24)
 
     async def run():
-        return await collect(engine.transcribe(pcm, options)), await engine.tokenize_clip(pcm)
+        return await collect(engine.transcribe(pcm, options)), await engine.pipeline.tokenize_clip(pcm)
 
     deltas, frames = loop_thread.run(run())
-    want = ref.generate(oneshot.asr_request(frames, options, engine.max_model_len))
+    want = ref.generate(oneshot.asr_request(frames, options, engine.pipeline.max_model_len))
     text = TextTokenizer.from_dir(tiny_model).decode(want.text_ids)
     assert len(want.text_ids) == 24 and len(deltas) > 3  # streamed, not one piece at the end
     assert "".join(deltas) == text
@@ -61,7 +61,7 @@ def test_synthesize_is_the_reference_speech_in_chunks(engine, loop_thread, ref, 
     text = "Hello there, how are you?"
     chunks = loop_thread.run(collect(engine.synthesize(text, options)))
     ids = [int(i) for i in TextTokenizer.from_dir(tiny_model).encode(text)]
-    want = ref.generate(oneshot.tts_request(ids, None, options, engine.max_model_len))
+    want = ref.generate(oneshot.tts_request(ids, None, options, engine.pipeline.max_model_len))
     assert len(want.frames) == 40 and chunks[-1].is_last and len(chunks) > 1
     got = np.concatenate([c.pcm for c in chunks]).astype(np.float32) / 32768.0
     codes = torch.from_numpy(vocab.global_to_dac(want.frames[:, 1:]).T[None].copy())

@@ -236,7 +236,7 @@ def test_a_speaker_prompt_leads_the_prompt_conditions_the_answer_and_can_be_drop
         await conv.close()
         # the voice's frames as the engine's tokenizer makes them (in its thread, one torch thread: another
         # thread count may flip a near-tie of the k-means, and the tokenizer is tested on its own)
-        return first, said, second, await engine.tokenize_clip(voice)
+        return first, said, second, await engine.pipeline.tokenize_clip(voice)
 
     first, said, second, frames = loop_thread.run(run())
     assert len(frames) == 75  # 1.5 s at 50 Hz
@@ -277,7 +277,7 @@ def test_the_engine_lays_out_the_checkpoints_speaker_prompt_length(loop_thread, 
             await answer(conv)
             prompt = conv.last_prompt
             await conv.close()
-            return eng.prompt_layout, prompt, await eng.tokenize_clip(voice[: 150 * 320])
+            return eng.pipeline.prompt_layout, prompt, await eng.pipeline.tokenize_clip(voice[: 150 * 320])
         finally:
             await eng.shutdown()
 
@@ -302,4 +302,4 @@ def test_the_cpu_engine_leaves_the_codec_a_core(engine, loop_thread) -> None:
             EngineServiceConfig(cpu_threads=bad)
     if not torch.cuda.is_available():
         # the codec and tokenizer run on this CPU: the engine core's OpenMP team spans all cores but one
-        assert loop_thread.run(engine.llm.engine_threads()) == max(1, cores - 1)
+        assert loop_thread.run(engine.pipeline.llm.engine_threads()) == max(1, cores - 1)

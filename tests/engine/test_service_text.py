@@ -147,7 +147,7 @@ def test_instructions_are_the_system_text_after_the_task_marker(engine, loop_thr
 def test_text_options_need_a_text_model_and_make_sense(engine, loop_thread) -> None:
     with pytest.raises(ValueError, match="assistant_text"):
         engine.open_conversation("bad1", ConversationOptions(output_audio=False))
-    tokenizer, engine.text_tokenizer = engine.text_tokenizer, None
+    tokenizer, engine.pipeline.text_tokenizer = engine.pipeline.text_tokenizer, None
     try:
         with pytest.raises(NoTextModel):
             engine.open_conversation("bad2", ConversationOptions(transcribe_user=True))
@@ -158,7 +158,7 @@ def test_text_options_need_a_text_model_and_make_sense(engine, loop_thread) -> N
             conv.update_options(ConversationOptions(assistant_text=True))
         loop_thread.run(conv.close())
     finally:
-        engine.text_tokenizer = tokenizer
+        engine.pipeline.text_tokenizer = tokenizer
 
 
 def _system_head(ids: list[int]) -> np.ndarray:
@@ -206,7 +206,7 @@ def test_an_answer_with_its_own_instructions_reads_them_alone_and_the_next_is_ba
 
 
 def test_a_model_without_text_ignores_an_answers_instructions_as_the_sessions(engine, loop_thread) -> None:
-    tokenizer, engine.text_tokenizer = engine.text_tokenizer, None
+    tokenizer, engine.pipeline.text_tokenizer = engine.pipeline.text_tokenizer, None
     try:
         async def run():
             conv = engine.open_conversation("own_instructions_no_text", ConversationOptions(temperature=0.0, max_response_ms=200.0))
@@ -217,6 +217,6 @@ def test_a_model_without_text_ignores_an_answers_instructions_as_the_sessions(en
 
         chunks, prompt, (user, _) = loop_thread.run(run())
     finally:
-        engine.text_tokenizer = tokenizer
+        engine.pipeline.text_tokenizer = tokenizer
     assert chunks[-1].is_last
     np.testing.assert_array_equal(prompt, response_prompt([user]))  # no system segment: read nothing, refused nothing

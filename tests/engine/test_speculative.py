@@ -51,10 +51,11 @@ class Answer:
     pcm: np.ndarray  # as decoded by the codec stage (batched with whatever else it decodes)
 
 
-async def collect(handle) -> Answer:
+async def collect(conv, handle) -> Answer:
+    """The answer's chunks; its tokens are its turn in the history, which is there once chunks() ends."""
     chunks = [c async for c in handle.chunks()]
     assert chunks and chunks[-1].is_last
-    return Answer(np.concatenate(handle.frames), np.concatenate([c.pcm for c in chunks]))
+    return Answer(conv._turns[-1].frames.copy(), np.concatenate([c.pcm for c in chunks]))
 
 
 def same_answer(got: Answer, want: Answer) -> None:
@@ -66,7 +67,7 @@ def same_answer(got: Answer, want: Answer) -> None:
 async def plain_turn(conv, pcm: np.ndarray) -> Answer:
     await push(conv, pcm)
     conv.end_user_turn()
-    return await collect(conv.respond(f"resp_plain_{next(_ids)}"))
+    return await collect(conv, conv.respond(f"resp_plain_{next(_ids)}"))
 
 
 async def confirmed_turn(conv, pcm: np.ndarray) -> Answer:
@@ -74,7 +75,7 @@ async def confirmed_turn(conv, pcm: np.ndarray) -> Answer:
     handle = conv.respond(f"resp_spec_{next(_ids)}", speculative=True)
     await asyncio.sleep(0.05)  # it generates while undecided
     handle.confirm()
-    return await collect(handle)
+    return await collect(conv, handle)
 
 
 async def discarded(conv, pcm: np.ndarray, after_chunks: int) -> tuple:
@@ -122,7 +123,7 @@ def test_a_confirmed_speculation_is_the_plain_answer(engine, loop_thread, option
                 with pytest.raises(RuntimeError):
                     spec.push_user_audio(pcm[:320])  # no user audio while it is undecided
                 handle.confirm()
-                same_answer(await collect(handle), want)
+                same_answer(await collect(spec, handle), want)
                 same_conversation(spec, plain)
             with pytest.raises(RuntimeError):
                 handle.discard()  # confirmed: it stands
@@ -142,7 +143,7 @@ def test_a_discarded_speculation_never_happened(engine, loop_thread, options) ->
                 await discarded(spec, before, after_chunks)
                 await push(spec, after)
                 spec.end_user_turn()
-                got = await collect(spec.respond(f"resp_spec_{next(_ids)}"))
+                got = await collect(spec, spec.respond(f"resp_spec_{next(_ids)}"))
                 want = await plain_turn(plain, np.concatenate([before, after]))
                 same_answer(got, want)
                 same_conversation(spec, plain)
@@ -168,11 +169,11 @@ def test_a_discard_restores_the_exchanges_dropped_for_it(engine, loop_thread) ->
             await push(spec, after)
             spec.end_user_turn()
             resumed = spec.respond(f"resp_spec_{next(_ids)}")
-            got = await collect(resumed)
+            got = await collect(spec, resumed)
             await push(plain, np.concatenate([before, after]))
             plain.end_user_turn()
             want_handle = plain.respond(f"resp_plain_{next(_ids)}")
-            same_answer(got, await collect(want_handle))
+            same_answer(got, await collect(plain, want_handle))
             assert len(resumed.dropped_exchanges) == len(want_handle.dropped_exchanges) > 0
             same_conversation(spec, plain)
 
