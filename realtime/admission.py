@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from enum import Enum
 
 from opentelemetry.trace import Tracer
 
 from engine.service_api import AtCapacity, EngineLike
+from realtime.clock import SYSTEM_CLOCK, Clock
 from realtime.config import ServerConfig
 from realtime.credentials import same_secret
 from realtime.link import Link
@@ -32,13 +34,21 @@ from realtime.vad_batch import VadBatcher
 
 log = logging.getLogger("duplex.gateway")
 
-SERVER_VAD = object()  # open_session's default turn detection: the server config's `vad` section
+
+class ServerDefault(Enum):
+    """`new_session`'s default turn detection: the server config's `vad` section (None means "none")."""
+
+    VAD = "vad"
+
+
+SERVER_VAD = ServerDefault.VAD
 
 
 class Admission:
     def __init__(self, engine: EngineLike, config: ServerConfig, metrics: GatewayMetrics, vad: VadBatcher | None,
-                 tracer: Tracer | None = None) -> None:
-        """`tracer`: sessions that turn session.tracing on record spans with it (realtime/tracing.py)."""
+                 tracer: Tracer | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+        """`tracer`: sessions that turn session.tracing on record spans with it (realtime/tracing.py).
+        `clock`: the sessions' and overload control's time (tests: a virtual one)."""
         self.engine = engine
         self.config = config
         self.metrics = metrics
@@ -46,21 +56,21 @@ class Admission:
         self.closing = False  # the server is stopping: nobody is admitted, lost links are not kept
         self.draining = False  # the server is draining: no new session; running ones (and their resumes) go on
         self.deps = RunnerDeps(config.limits, metrics, vad, lambda: self.closing, lambda: self._gateway_full(resume=True),
-                               engine.report_delivery, tracer)
+                               engine.report_delivery, tracer, clock)
         self._idle = asyncio.Event()  # no session registered
         self._idle.set()
         self._background: set[asyncio.Task] = set()
         self.overload = OverloadControl(config.limits.overload, engine, metrics, config.limits.retry_after_s,
-                                        lambda: list(self.sessions.values()))
+                                        lambda: list(self.sessions.values()), clock.now)
 
-    def new_session(self, vad: VadParams | None | object = SERVER_VAD, output_frame_ms: int | None = None,
+    def new_session(self, vad: VadParams | None | ServerDefault = SERVER_VAD, output_frame_ms: int | None = None,
                     acked_playback: bool = False) -> Session:
         """A session with the server's pacing and turn detection, or a transport's own (`vad`, `output_frame_ms`,
         `acked_playback`: see SessionLimits)."""
         a = self.config.audio
         limits = SessionLimits(output_frame_ms or a.output_frame_ms, a.lead_ms, self.config.limits.max_turn_ms,
                                acked_playback=acked_playback)
-        turn_detection = self.config.vad.params() if vad is SERVER_VAD else vad
+        turn_detection = self.config.vad.params() if isinstance(vad, ServerDefault) else vad
         return Session(new_id("sess"), turn_detection, limits, vad_deferred=self.deps.vad is not None,
                        noise_reduction=self.config.session.noise_reduction)
 

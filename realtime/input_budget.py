@@ -25,10 +25,10 @@ class InputLimits:
     message_burst: float = 400.0
     overrun_close_s: float = 5.0  # rejecting input this long without a pause: the session is closed
 
-    def validate(self) -> None:
-        for name in ("audio_rate", "audio_burst_s", "messages_per_s", "message_burst", "overrun_close_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
+    def problems(self) -> list[tuple[str, str]]:
+        """The out-of-range fields, as (field, why): the config names them under `limits.input`."""
+        names = ("audio_rate", "audio_burst_s", "messages_per_s", "message_burst", "overrun_close_s")
+        return [(name, "must be > 0") for name in names if not getattr(self, name) > 0]
 
 
 class TokenBucket:

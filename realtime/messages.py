@@ -2,7 +2,7 @@
 
 Two lanes feed a session's loop (realtime/runner.py): client input (`ClientMessage`,
 `TransportAudio`, `LinkClosed`, `Attach`) is bounded — a client that floods waits or loses frames,
-counted — while the engine's output (`EngineChunk`, `EngineFailed`, `UserTranscript*`) and the server's own notices
+counted — while the engine's output (`EngineChunk`, `EngineFailed`, `EngineUserTranscript*`) and the server's own notices
 (`VadReady`, `Shutdown`) never wait behind it.
 """
 
@@ -15,6 +15,7 @@ from enum import Enum
 import numpy as np
 
 from engine.service_api import AudioChunk
+from realtime.input_budget import Rejection
 from realtime.link import Link
 
 
@@ -59,7 +60,7 @@ class EngineFailed:
 
 
 @dataclass(frozen=True, slots=True)
-class UserTranscript:
+class EngineUserTranscript:
     """More of the user turn's transcript the engine writes beside the answer `response_id` (transcribe_user)."""
 
     response_id: str
@@ -67,7 +68,7 @@ class UserTranscript:
 
 
 @dataclass(frozen=True, slots=True)
-class UserTranscriptEnd:
+class EngineUserTranscriptEnd:
     """The transcript is complete (`error` None) or failed."""
 
     response_id: str
@@ -92,7 +93,7 @@ class Throttled:
     """The reader is holding client messages back (over the message budget); `rejection` says whether to
     tell the client now."""
 
-    rejection: object  # realtime.input_budget.Rejection
+    rejection: Rejection
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,7 @@ class Shutdown:
     retry_after_s: float | None = None  # the error event tells the client when to call again
 
 
-Inbound = (ClientMessage | TransportAudio | LinkClosed | Attach | EngineChunk | EngineFailed | UserTranscript | UserTranscriptEnd
+Inbound = (ClientMessage | TransportAudio | LinkClosed | Attach | EngineChunk | EngineFailed | EngineUserTranscript | EngineUserTranscriptEnd
            | HistoryDropped | VadReady | Throttled | Shutdown)
 
 

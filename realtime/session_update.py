@@ -153,7 +153,7 @@ def _formats(upd: SessionUpdate, cfg: dict, inp: dict, out: dict) -> None:
 
 
 # ours, in either VAD type: the answer started at a pause in the user's speech (docs/protocol.md)
-SPECULATION_KEYS = (("speculative", bool), ("speculate_after_ms", int))
+SPECULATION_KEYS: tuple[tuple[str, type], ...] = (("speculative", bool), ("speculate_after_ms", int))
 
 
 def _turn_detection(upd: SessionUpdate, td, current: VadParams | None) -> None:
@@ -166,6 +166,7 @@ def _turn_detection(upd: SessionUpdate, td, current: VadParams | None) -> None:
     kind = get_field(td, "type", str, prefix=p) or "server_vad"
     base = current or VadParams()
     kw: dict = {}
+    keys: tuple[tuple[str, type | tuple[type, ...]], ...]  # the fields this type takes, with their JSON types
     if kind == "semantic_vad":
         eagerness = get_field(td, "eagerness", str, prefix=p) or "auto"
         if eagerness not in EAGERNESS:
@@ -183,10 +184,8 @@ def _turn_detection(upd: SessionUpdate, td, current: VadParams | None) -> None:
         if (v := get_field(td, key, types, prefix=p)) is not None:
             kw[key] = v
     params = replace(base, **kw)
-    try:
-        params.validate()
-    except ValueError as e:
-        raise ClientError("invalid_value", str(e), p + str(e).split()[0].split(".")[-1]) from None
+    for name, why in params.problems():
+        raise ClientError("invalid_value", f"turn_detection.{name} {why}", p + name)
     upd.turn_detection = params
     if kind == "semantic_vad":
         upd.turn_detection_wire = {"type": "semantic_vad", "eagerness": td.get("eagerness") or "auto",

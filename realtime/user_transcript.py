@@ -36,8 +36,9 @@ InputTranscriptEvent = InputTranscriptDelta | InputTranscriptDone | InputTranscr
 
 
 @dataclass
-class UserTranscript:
-    """One answer's user transcript: what the engine wrote, what the client was told."""
+class UserTranscriptRelay:
+    """One answer's user transcript on its way to the client: what the engine wrote, what the client was
+    told, and when it may be told more (`due`)."""
 
     item_id: str | None = None  # the turn's last audio item (None: the turn had no audio item)
     audio_ms: float = 0.0

@@ -167,13 +167,19 @@ class VadParams:
         """The pause comes before the end of the turn (else there is no pause: the turn keeps all its silence)."""
         return _windows(self.speculate_after_ms) < _windows(self.silence_duration_ms)
 
-    def validate(self) -> None:
-        if not 0.0 <= self.threshold <= 1.0:
-            raise ValueError("turn_detection.threshold must be within [0, 1]")
+    def problems(self) -> list[tuple[str, str]]:
+        """The out-of-range fields, as (field, why): callers name the field in their own terms."""
+        out = [] if 0.0 <= self.threshold <= 1.0 else [("threshold", "must be within [0, 1]")]
         for name in ("prefix_padding_ms", "silence_duration_ms", "min_speech_ms", "speculate_after_ms"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 10_000:
-                raise ValueError(f"turn_detection.{name} must be an integer in [0, 10000]")
+                out.append((name, "must be an integer in [0, 10000]"))
+        return out
+
+    def validate(self) -> None:
+        if bad := self.problems():
+            name, why = bad[0]
+            raise ValueError(f"turn_detection.{name} {why}")
 
 
 class VadPhase(IntEnum):
@@ -187,12 +193,42 @@ def _windows(ms: float) -> int:
     return max(1, int(np.ceil(ms / WINDOW_MS)))
 
 
+# What `ServerVad.feed` reports; `at_ms` is the end of the window that decided it: where in the stream
+# it happened (the session splits the audio there: what came before goes where the old state sent it).
+
+
 @dataclass(frozen=True)
-class VadEvent:
-    kind: str  # "started" | "paused" | "resumed" | "stopped"
-    audio_ms: float  # started: speech start minus prefix padding; stopped: end of the last speech window;
-    #                  paused / resumed: where the pause / the speech again began (= at_ms)
-    at_ms: float  # the end of the window that decided it: where in the stream the event happened
+class VoiceStarted:
+    """Speech began: `min_speech_ms` of windows at or above `threshold`."""
+
+    audio_start_ms: float  # the speech's first window minus `prefix_padding_ms` (never before 0)
+    at_ms: float
+
+
+@dataclass(frozen=True)
+class VoicePaused:
+    """`speculate_after_ms` of silence within speech: where the user's turn, as the model hears it, ends
+    unless the speech resumes."""
+
+    at_ms: float
+
+
+@dataclass(frozen=True)
+class VoiceResumed:
+    """Speech again after a pause, before the turn ended (`at_ms`: where that window began)."""
+
+    at_ms: float
+
+
+@dataclass(frozen=True)
+class VoiceStopped:
+    """`silence_duration_ms` of silence: the turn ended."""
+
+    audio_end_ms: float  # the end of the last speech window
+    at_ms: float
+
+
+VadEvent = VoiceStarted | VoicePaused | VoiceResumed | VoiceStopped
 
 
 @dataclass
@@ -221,7 +257,8 @@ class ServerVad:
         self._state = _ServerVadState()
 
     def feed(self, probs: list[float]) -> list[VadEvent]:
-        p, st, events = self.params, self._state, []
+        p, st = self.params, self._state
+        events: list[VadEvent] = []
         min_windows = _windows(p.min_speech_ms)
         silence_windows = _windows(p.silence_duration_ms)
         pause_windows = _windows(p.speculate_after_ms) if p.pauses else None
@@ -234,13 +271,13 @@ class ServerVad:
                     st.last_speech_window = i
                     if st.paused:
                         st.paused = False
-                        events.append(VadEvent("resumed", self._ms(i), self._ms(i)))
+                        events.append(VoiceResumed(self._ms(i)))
                 elif i - st.last_speech_window >= silence_windows:
                     st.phase, st.paused = VadPhase.SILENCE, False
-                    events.append(VadEvent("stopped", self._ms(st.last_speech_window + 1), end))
+                    events.append(VoiceStopped(self._ms(st.last_speech_window + 1), end))
                 elif pause_windows is not None and not st.paused and i - st.last_speech_window >= pause_windows:
                     st.paused = True
-                    events.append(VadEvent("paused", end, end))
+                    events.append(VoicePaused(end))
                 continue
             if prob < p.threshold:
                 st.phase = VadPhase.SILENCE
@@ -249,7 +286,7 @@ class ServerVad:
                 st.phase, st.speech_start_window = VadPhase.MAYBE_SPEECH, i
             if i - st.speech_start_window + 1 >= min_windows:
                 st.phase, st.last_speech_window = VadPhase.SPEECH, i
-                events.append(VadEvent("started", max(0.0, self._ms(st.speech_start_window) - p.prefix_padding_ms), end))
+                events.append(VoiceStarted(max(0.0, self._ms(st.speech_start_window) - p.prefix_padding_ms), end))
         return events
 
     def _ms(self, window: int) -> float:

@@ -147,4 +147,4 @@ def test_a_typed_turn_has_no_transcript_and_one_dropped_from_the_context_is_not_
     s.receive_user_transcript(rid2, "gone")
     s.receive_user_transcript_end(rid2)
     drain(s, rec, now)
-    assert rec.of(InputTranscriptDone) == [] and item in s._deleted_items
+    assert rec.of(InputTranscriptDone) == [] and item in s._exchanges.deleted

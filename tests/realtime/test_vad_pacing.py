@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from realtime.pacing import Pacer
-from realtime.session import Session
-from realtime.vad import WINDOW_MS, ServerVad, SileroVad, VadParams, run_silero
+from realtime.session import PushAudio, Session
+from realtime.vad import (
+    WINDOW_MS, ServerVad, SileroVad, VadParams, VoicePaused, VoiceResumed, VoiceStarted, VoiceStopped, run_silero,
+)
 from realtime.vad_batch import VadBatcher
 
 from rt_helpers import silence
@@ -20,9 +22,9 @@ def test_server_vad_start_stop_with_prefix_padding_and_min_speech():
     vad = ServerVad(VadParams(threshold=0.5, prefix_padding_ms=100, silence_duration_ms=96, min_speech_ms=64))
     probs = [0.1] * 10 + [0.9] * 20 + [0.2] * 5
     events = vad.feed(probs)
-    assert [e.kind for e in events] == ["started", "stopped"]
-    assert events[0].audio_ms == pytest.approx(10 * WINDOW_MS - 100)  # speech began at window 10
-    assert events[1].audio_ms == pytest.approx(30 * WINDOW_MS)  # end of the last speech window
+    assert [type(e) for e in events] == [VoiceStarted, VoiceStopped]
+    assert events[0].audio_start_ms == pytest.approx(10 * WINDOW_MS - 100)  # speech began at window 10
+    assert events[1].audio_end_ms == pytest.approx(30 * WINDOW_MS)  # end of the last speech window
 
 
 def test_server_vad_ignores_a_click_shorter_than_min_speech():
@@ -34,7 +36,7 @@ def test_server_vad_ignores_a_click_shorter_than_min_speech():
 def test_server_vad_hysteresis_keeps_speech_through_a_dip():
     vad = ServerVad(VadParams(threshold=0.5, silence_duration_ms=64, min_speech_ms=32))
     events = vad.feed([0.9, 0.4, 0.4, 0.4, 0.9])  # 0.4 >= 0.5 - 0.15: still speech
-    assert [e.kind for e in events] == ["started"]
+    assert [type(e) for e in events] == [VoiceStarted]
 
 
 def test_silero_detects_espeak_speech_not_silence(speech):
@@ -48,14 +50,15 @@ def test_silero_detects_espeak_speech_not_silence(speech):
     assert probs[:10].max() < 0.3  # leading silence
     assert probs[20:-30].mean() > 0.5 and probs.max() > 0.9
     events = ServerVad(VadParams()).feed(list(probs))
-    kinds = [e.kind for e in events]
-    assert [k for k in kinds if k in ("started", "stopped")] == ["started", "stopped"]
+    kinds = [type(e) for e in events]
+    assert [k for k in kinds if k in (VoiceStarted, VoiceStopped)] == [VoiceStarted, VoiceStopped]
     # pauses within the speech (speculate_after_ms) come back as speech; the last one ends the turn
-    assert kinds[1:-1] == ["paused", "resumed"] * ((len(kinds) - 3) // 2) + ["paused"]
+    assert kinds[1:-1] == [VoicePaused, VoiceResumed] * ((len(kinds) - 3) // 2) + [VoicePaused]
     pause, stop = events[-2:]
-    assert pause.at_ms - stop.audio_ms == pytest.approx(VadParams().speculate_after_ms, abs=32)
-    assert stop.at_ms - stop.audio_ms == pytest.approx(VadParams().silence_duration_ms, abs=32)
-    assert [e.kind for e in ServerVad(VadParams(speculate_after_ms=500)).feed(list(probs))] == ["started", "stopped"]
+    assert isinstance(stop, VoiceStopped)
+    assert pause.at_ms - stop.audio_end_ms == pytest.approx(VadParams().speculate_after_ms, abs=32)
+    assert stop.at_ms - stop.audio_end_ms == pytest.approx(VadParams().silence_duration_ms, abs=32)
+    assert [type(e) for e in ServerVad(VadParams(speculate_after_ms=500)).feed(list(probs))] == [VoiceStarted, VoiceStopped]
 
 
 def test_pacer_absolute_schedule_with_lead_and_reanchor():
@@ -140,6 +143,30 @@ def test_deferred_session_gives_the_same_turn_as_inline(speech):
     assert out["deferred"] == out["inline"]
     assert sum(d[0] == "PushAudio" for d in out["inline"]) > 10
     assert not deferred.vad_pending
+
+
+def test_a_late_batch_answers_where_the_turn_ended_before_the_next_speech(speech):
+    """A turn, its end and the next speech all wait for one late batch: the answer starts where the turn
+    ended, and the speech after it barges in, in the audio's order, as in a session that runs Silero
+    per packet (the answer started at the turn's end settles nothing more)."""
+    talk = speech("hello there, how are you", 16_000)
+    pcm = np.concatenate([silence(400, 16_000), talk, silence(900, 16_000), talk, silence(300, 16_000)])
+    vad = VadParams(speculative=False)  # the turn's end starts the answer (no speculation to confirm)
+    inline, deferred = Session(vad=vad), Session(vad=vad, vad_deferred=True)
+    events: dict[str, list] = {"inline": [], "deferred": []}
+    commands: dict[str, list] = {"inline": [], "deferred": []}
+    for i, start in enumerate(range(0, pcm.size, 320)):
+        piece, now = pcm[start : start + 320], 100.0 + 0.02 * i
+        inline.receive_audio(piece, now)
+        deferred.receive_audio(piece, now)
+    deferred.settle_vad()
+    for name, s in (("inline", inline), ("deferred", deferred)):
+        events[name] = [_describe(x) for x in s.events()]
+        commands[name] = [(type(x).__name__, x.pcm.tobytes() if isinstance(x, PushAudio) else None) for x in s.commands()]
+    kinds = [d[0] for d in events["inline"]]
+    # the answer to the first turn, then the second speech, which barges in on it
+    assert kinds[:6] == ["SpeechStarted", "SpeechStopped", "InputCommitted", "ResponseCreated", "SpeechStarted", "ResponseDone"]
+    assert events["deferred"] == events["inline"] and commands["deferred"] == commands["inline"]  # the same audio, sample for sample
 
 
 def test_deferred_session_settles_before_a_commit(speech):
