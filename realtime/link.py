@@ -7,8 +7,7 @@ from typing import Protocol
 
 
 class Link(Protocol):
-    """The WebSocket, the WebRTC data channel. A link of a resumable session also has `lost() -> bool`:
-    after `messages()` ended, True when the connection died without a goodbye (the client may come back)."""
+    """The WebSocket, the WebRTC data channel."""
 
     def messages(self) -> AsyncIterator[str | bytes]:
         """The client's messages; ends when the client goes away."""
@@ -16,3 +15,7 @@ class Link(Protocol):
     async def send(self, message: str | bytes) -> None: ...
 
     async def close(self, code: int, reason: str) -> None: ...
+
+    def lost(self) -> bool:
+        """After `messages()` ended: True when the connection died without a goodbye, so the client may
+        come back and resume (asked only of a resumable session's link; a link that never resumes says False)."""

@@ -22,7 +22,9 @@ import binascii
 import itertools
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar
 
 from engine.service_api import ConversationOptions
 from realtime import client_json
@@ -30,8 +32,8 @@ from realtime.config import ENGINE_KEYS, SessionSection
 from realtime.audio import AudioFormatError, InputDecoder, OutputEncoder, WireFormat
 from realtime.session import (
     InputCleared, InputCommitted, InputTranscriptDelta, InputTranscriptDone, InputTranscriptFailed, ItemDeleted, ItemTruncated,
-    OutputCleared, ResponseAudio, ResponseCreated, ResponseDone, ResponseStatus, ResponseText, Session, SessionError, SpeechStarted,
-    SpeechStopped, UserItemAdded, new_id,
+    OutputCleared, ResponseAudio, ResponseCreated, ResponseDone, ResponseStatus, ResponseText, Session, SessionError, SessionEvent,
+    SpeechStarted, SpeechStopped, UserItemAdded, new_id,
 )
 from realtime.session_input import (
     AddUserItem, AudioIn, CancelRequested, ClearInput, ClearOutput, CommitInput, CreateResponse, DeleteItem, Played,
@@ -89,12 +91,13 @@ class SessionSettings(SessionSection):
     def of(cls, defaults: SessionSection, voice_pcm: dict) -> SessionSettings:
         return cls(**{f.name: getattr(defaults, f.name) for f in fields(SessionSection)}, voice_pcm=voice_pcm)
 
-    def engine_options(self, output_modalities: tuple[str, ...] | None = None) -> ConversationOptions:
-        """`output_modalities`: one answer's own (response.create), else the session's."""
+    def answer_options(self, output_modalities: tuple[str, ...] | None = None) -> ConversationOptions:
+        """The engine options of these settings (the server's `engine_options` with the voices and what the
+        client set); `output_modalities`: one answer's own (response.create), else the session's."""
         text_only = (output_modalities or self.output_modalities) == ("text",)
-        opts = replace(super().engine_options(self.voice_pcm), transcribe_user=self.transcription is not None,
+        opts = replace(self.engine_options(self.voice_pcm), transcribe_user=self.transcription is not None,
                        assistant_text=self.assistant_text or text_only, output_audio=not text_only)
-        if (n := self.max_output_tokens) != "inf":  # N steps of the model: the answer's audio frames and its text tokens
+        if isinstance(n := self.max_output_tokens, int):  # (else "inf") N steps of the model: the answer's audio frames and its text tokens
             opts = replace(opts, max_response_ms=min(opts.max_response_ms, n * TOKEN_MS), max_text_tokens=min(opts.max_text_tokens, n))
         return opts
 
@@ -177,7 +180,7 @@ class RealtimeProtocol:
             error["retry_after_s"] = retry_after_s
         self._emit("error", error=error)
 
-    def error(self, code: str, message: str, error_type: str = "server_error", retry_after_s: float | None = None) -> None:
+    def error(self, code: str, message: str, retry_after_s: float | None = None, *, error_type: str = "server_error") -> None:
         """A server-side error event (capacity, slow client, idle timeout, overload: with `retry_after_s`)."""
         self._error(ClientError(code, message, None, error_type), None, retry_after_s)
 
@@ -199,6 +202,10 @@ class RealtimeProtocol:
         return self.settings.tracing
 
     @property
+    def model(self) -> str:
+        return self.settings.model
+
+    @property
     def resumable(self) -> bool:
         """The client was given a resume token: a lost connection is worth keeping the session for."""
         return self.resume is not None and self.extensions
@@ -216,8 +223,10 @@ class RealtimeProtocol:
     def engine_options(self, output_modalities: tuple[str, ...] | None = None,
                        max_output_tokens: int | str | None = None) -> ConversationOptions:
         """The session's options, or one answer's: its own output modalities and max_output_tokens (response.create)."""
-        own = {} if max_output_tokens is None else {"max_output_tokens": max_output_tokens}
-        return replace(self.settings, instructions=self._instructions(), **own).engine_options(output_modalities)
+        settings = replace(self.settings, instructions=self._instructions())
+        if max_output_tokens is not None:
+            settings = replace(settings, max_output_tokens=max_output_tokens)
+        return settings.answer_options(output_modalities)
 
     def take_engine_options(self) -> ConversationOptions | None:
         if not self.settings_changed:
@@ -348,15 +357,15 @@ class RealtimeProtocol:
         content_index = _get(ev, "content_index", int)
         if content_index not in (None, 0):
             raise ClientError("invalid_value", "content_index must be 0", "content_index")
-        audio_end_ms = _number(ev, "audio_end_ms", 0, _MAX_MS, required=True)
+        audio_end_ms = _number(ev, "audio_end_ms", 0, _MAX_MS, required=True) or 0  # (required: never None)
         self._inputs.append(TruncateItem(item_id, float(audio_end_ms), _event_id(ev)))
 
     def _on_output_clear(self, ev: dict, now: float) -> None:
         self._inputs.append(ClearOutput(_event_id(ev)))
 
     def _on_played(self, ev: dict, now: float) -> None:
-        played_ms = _number(ev, "played_ms", 0, _MAX_MS, required=True)
-        underruns = _number(ev, "underruns", 0, 1_000_000, integer=True) or 0
+        played_ms = _number(ev, "played_ms", 0, _MAX_MS, required=True) or 0  # (required: never None)
+        underruns = int(_number(ev, "underruns", 0, 1_000_000, integer=True) or 0)
         self._inputs.append(Played(float(played_ms), underruns, _get(ev, "response_id", str), _event_id(ev)))
 
     def _on_session_update(self, ev: dict, now: float) -> None:
@@ -402,7 +411,7 @@ class RealtimeProtocol:
         return upd.refused, opted_in_now
 
     # ---- session events -> server events ----
-    def send_session_events(self, events: list) -> None:
+    def send_session_events(self, events: list[SessionEvent]) -> None:
         for ev in events:
             self._SENDERS[type(ev)](self, ev)
 
@@ -535,7 +544,8 @@ class RealtimeProtocol:
                               "after_confirm_ms": None if ev.after_confirm_ms is None else round(ev.after_confirm_ms, 1)}
         self._emit("response.done", response=resp)
 
-    _SENDERS = {
+    # keyed by the event's class; each sender takes an event of its key's class
+    _SENDERS: ClassVar[dict[type, Callable[[RealtimeProtocol, Any], None]]] = {
         SpeechStarted: _send_speech_started, SpeechStopped: _send_speech_stopped, InputCommitted: _send_committed,
         InputCleared: _send_cleared, UserItemAdded: _send_user_item, ResponseCreated: _send_response_created, ResponseAudio: _send_audio,
         ResponseText: _send_text, OutputCleared: _send_output_cleared, ItemTruncated: _send_truncated, ItemDeleted: _send_deleted,

@@ -27,7 +27,6 @@ import asyncio
 import dataclasses
 import logging
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,21 +36,23 @@ import numpy as np
 from opentelemetry.trace import Tracer
 
 from engine.service_api import AtCapacity, Conversation, ConversationOptions, ResponseHandle
+from realtime.clock import SYSTEM_CLOCK, Clock
 from realtime.config import LimitsSection
 from realtime.link import Link
 from realtime.messages import (
     Attach, ClientMessage, CloseReason, Closing, EngineChunk, EngineFailed, HistoryDropped, Inbound, LinkClosed, Shutdown,
-    Throttled, TransportAudio, UserTranscript, UserTranscriptEnd, VadReady,
+    Throttled, TransportAudio, EngineUserTranscript, EngineUserTranscriptEnd, VadReady,
 )
 from realtime.metrics import GatewayMetrics
 from realtime.resume import ReplayBuffer, ResumeRefused
 from realtime.session import (
     AddUserText, CancelResponse, ConfirmResponse, DeleteTurn, DiscardResponse, EndTurn, OutputCleared, PushAudio, ResponseAudio,
-    ResponseDone, Session, SessionError, SessionStats, StartResponse, TruncateResponse,
+    ResponseDone, Session, SessionError, SessionEvent, SessionStats, StartResponse, TruncateResponse,
 )
 from realtime.input_budget import InputBudget
 from realtime.session_input import SessionInput, apply_inputs, rate_error
 from realtime.tracing import SessionTrace
+from realtime.tracing_config import TracingConfig
 from realtime.vad_batch import VadBatcher
 
 log = logging.getLogger("duplex.gateway")
@@ -90,13 +91,22 @@ class WireProtocol(Protocol):
     def resumable(self) -> bool:
         """The client holds a resume token (only clients that opted in get one): worth keeping a lost session."""
 
+    @property
+    def tracing(self) -> TracingConfig | None:
+        """The client's session.tracing: the runner records the session's spans while it is on (None: off;
+        a wire with no such setting: always None)."""
+
+    @property
+    def model(self) -> str:
+        """The model name the client sees (a traced session's span reports it)."""
+
     def open(self) -> None: ...
 
     def receive(self, message: str | bytes, now: float) -> None: ...
 
     def receive_audio(self, pcm: np.ndarray, now: float) -> None: ...
 
-    def send_session_events(self, events: list) -> None: ...
+    def send_session_events(self, events: list[SessionEvent]) -> None: ...
 
     def data_to_send(self) -> list[str | bytes]: ...
 
@@ -116,6 +126,12 @@ class WireProtocol(Protocol):
     def input_refused(self, error: SessionError, event_id: str | None) -> None:
         """The session refused an input: tell the client (an error naming its event), or count it."""
 
+    def playback_stopped(self, response_id: str) -> None:
+        """The transport's own audio output (`AudioOut`) has played all of this answer."""
+
+    def resumed_message(self, last_seq: int, replayed: int, missed: int) -> str | bytes:
+        """The first message on a resumed link, outside the numbered stream (sent before the replay)."""
+
 
 @dataclass(frozen=True)
 class RunnerDeps:
@@ -128,6 +144,7 @@ class RunnerDeps:
     gateway_full: Callable[[], str | None] = lambda: None  # why no session may take a slot now (the gateway's cap), or None
     report_delivery: Callable[[int, int, int], None] = lambda chunks, late, underruns: None  # to admission control
     tracer: Tracer | None = None  # OpenTelemetry, when an exporter is configured (realtime/tracing.py); None: no spans
+    clock: Clock = SYSTEM_CLOCK  # every time the runner reads or waits for (tests: a virtual one)
 
 
 class SessionInbox:
@@ -203,6 +220,7 @@ class SessionRunner:
         before every batch of input, so a barge-in truncates at what the listener heard."""
         lim = deps.limits
         self.deps, self.proto, self.conv = deps, proto, conv
+        self.clock = deps.clock
         self.limits = lim
         self.link: Link | None = link  # None while detached
         self.session = proto.session
@@ -222,7 +240,7 @@ class SessionRunner:
         self._stats = SessionStats()
         self._latest: ResponseHandle | None = None  # the one response the session may still cancel or cut
         self._pumps: set[asyncio.Task] = set()  # each response's chunks -> the server lane
-        self._started = time.monotonic()
+        self._started = self.clock.now()
         self._last_client = self._started
         self._vad_submitted = False  # the session's VAD stream waits in the gateway's batcher
         self._observed_at = self._started
@@ -235,7 +253,7 @@ class SessionRunner:
         self._options = proto.engine_options()  # the session's (what the conversation was opened with)
         self._applied = self._options  # what the conversation has now
         self._override: tuple | None = None  # the latest answer's own (output modalities, max_output_tokens), if any
-        self._started_ns = time.time_ns()
+        self._started_ns = self.clock.wall_ns()
         self._trace: SessionTrace | None = None  # the client turned session.tracing on (and the server exports)
 
     async def run(self) -> None:
@@ -248,13 +266,14 @@ class SessionRunner:
             self._use_options(options)
         self._trace_if_asked()
         self._flush()
-        self._start_link([])
+        assert self.link is not None  # set by __init__; only a lost link or a resume takes it away
+        self._start_link(self.link, [])
         try:
             await self._session_loop()
         finally:
             if self._deadline_timer is not None:
                 self._deadline_timer.cancel()
-            self._observe(time.monotonic(), force=True)
+            self._observe(self.clock.now(), force=True)
             if self._reader_task is not None:
                 self._reader_task.cancel()
             for t in self._pumps:
@@ -271,7 +290,7 @@ class SessionRunner:
             if self._link_closers:
                 await asyncio.wait(self._link_closers, timeout=self.limits.close_timeout_s)
             if self._trace is not None:
-                self._trace.end(self.end_reason().label, self.session.stats, self.proto.settings.model, self.resumes)
+                self._trace.end(self.end_reason().label, self.session.stats, self.proto.model, self.resumes)
 
     async def attach(self, link: Link, last_seq: int) -> None:
         """Resume this session on a new link (the client received messages 1..last_seq).
@@ -290,8 +309,8 @@ class SessionRunner:
             await asyncio.wait([done, self.task], return_when=asyncio.FIRST_COMPLETED)
         if not done.done():
             raise ResumeRefused("resume_failed", "the session has ended")
-        if done.exception() is not None:
-            raise done.exception()
+        if (error := done.exception()) is not None:
+            raise error
 
     @property
     def messages_sent(self) -> int | None:
@@ -316,11 +335,12 @@ class SessionRunner:
         self.session.settle_vad(run=False)  # audio that completes no window
         if not self.session.vad_pending:
             return
-        if self.deps.vad is None:  # batching off: run this session's windows now
+        stream = self.session.vad_stream()
+        if self.deps.vad is None or stream is None:  # batching off (or no model stream to batch): run the windows now
             self.session.settle_vad()
             return
         self._vad_submitted = True
-        self.deps.vad.submit(self.session.vad_stream(), self._vad_ran)
+        self.deps.vad.submit(stream, self._vad_ran)
 
     def _vad_ran(self) -> None:
         """The batcher ran this session's VAD windows: settle its waiting audio in the loop."""
@@ -334,12 +354,12 @@ class SessionRunner:
     async def _reader(self, link: Link) -> None:
         try:
             async for message in link.messages():
-                while (rejection := self.budget.message(time.monotonic())) is not None:
+                while (rejection := self.budget.message(self.clock.now())) is not None:
                     self.deps.metrics.input_rejected.labels("messages").inc()
                     self.inbox.put_server(Throttled(rejection))
-                    if self.budget.exhausted(time.monotonic()):
+                    if self.budget.exhausted(self.clock.now()):
                         await asyncio.Event().wait()  # the session loop closes the session; this task is cancelled
-                    await asyncio.sleep(rejection.retry_after_s)
+                    await self.clock.sleep(rejection.retry_after_s)
                 await self.inbox.put_client(ClientMessage(message))
         except Exception as e:  # a dropped connection ends the session like a close
             log.debug("session %s: reader ended: %s", self.id, e)
@@ -354,18 +374,18 @@ class SessionRunner:
         except Exception as e:  # the link died; its reader reports it
             log.debug("session %s: writer ended: %s", self.id, e)
 
-    def _start_link(self, first: list[str | bytes]) -> None:
-        """Reader and writer for `self.link`; the writer sends `first` (a resume's replay) before the queue."""
-        self._reader_task = asyncio.create_task(self._reader(self.link))
-        self._writer_task = asyncio.create_task(self._writer(self.link, self.outbound, first))
+    def _start_link(self, link: Link, first: list[str | bytes]) -> None:
+        """Reader and writer for `link` (the current one); the writer sends `first` (a resume's replay) before the queue."""
+        self._reader_task = asyncio.create_task(self._reader(link))
+        self._writer_task = asyncio.create_task(self._writer(link, self.outbound, first))
 
-    def _drop_link(self, code: int, reason: str) -> None:
-        """Stop using the current link (lost, or replaced by a resume) and close it in the background."""
+    def _drop_link(self, link: Link, code: int, reason: str) -> None:
+        """Stop using the current link `link` (lost, or replaced by a resume) and close it in the background."""
         for t in (self._reader_task, self._writer_task):
             if t is not None:
                 t.cancel()
         self._reader_task = self._writer_task = None
-        closer = asyncio.create_task(self._close_link(self.link, code, reason))
+        closer = asyncio.create_task(self._close_link(link, code, reason))
         self._link_closers.add(closer)
         closer.add_done_callback(self._link_closers.discard)
         self.link = None
@@ -381,16 +401,19 @@ class SessionRunner:
         lost = self.resume_token is not None and self.proto.resumable and link.lost()
         if not lost or self.deps.server_closing() or self.limits.resume_grace_s <= 0:
             return False
-        self._drop_link(CloseReason.CONNECTION_LOST.close_code, "connection lost")
+        self._drop_link(link, CloseReason.CONNECTION_LOST.close_code, "connection lost")
         self._detached_at = now
         log.info("session %s: connection lost, kept %.0f s for a resume", self.id, self.limits.resume_grace_s)
         return True
 
     def _attach(self, link: Link, last_seq: int, done: asyncio.Future, now: float) -> None:
+        buffer = self._replay
         try:
             if self.closing is not None:
                 raise ResumeRefused("resume_failed", "the session is closing")
-            replay = self._replay.since(last_seq)
+            if buffer is None:  # (attach() refuses a session without one before it gets here)
+                raise ResumeRefused("resume_failed", "this session cannot be resumed")
+            replay = buffer.since(last_seq)
             self._take_slot()
         except ResumeRefused as e:
             done.set_exception(e)
@@ -402,14 +425,14 @@ class SessionRunner:
             self._send_session_events()
             self._run_commands()
             self._flush()
-            replay = self._replay.since(last_seq)
+            replay = buffer.since(last_seq)
         if self.link is not None:
-            self._drop_link(1000, "resumed on another connection")
+            self._drop_link(self.link, 1000, "resumed on another connection")
         self.link, self._detached_at, self._last_client = link, None, now
         self.outbound = asyncio.Queue(self.limits.outbound_queue)
         self.resumes += 1
         resumed = self.proto.resumed_message(last_seq, len(replay.messages), replay.missed)
-        self._start_link([resumed, *replay.messages])
+        self._start_link(link, [resumed, *replay.messages])
         log.info("session %s: resumed (after message %d: %d replayed, %d missed)", self.id, last_seq, len(replay.messages), replay.missed)
         done.set_result(None)
 
@@ -442,7 +465,7 @@ class SessionRunner:
         lim = self.limits
         next_due: float | None = None
         while self.closing is None:
-            now = time.monotonic()
+            now = self.clock.now()
             idle_at = self._last_client + lim.idle_timeout_s if self._detached_at is None else self._detached_at + lim.resume_grace_s
             r = self.session.response
             # A playing answer defers the idle timeout: its deadline is no wake-up (a past one would spin the loop).
@@ -460,9 +483,9 @@ class SessionRunner:
             # Handling everything queued before the per-wake work (pacing, events, engine commands,
             # metrics) does that work once per wake-up instead of once per audio packet.
             items = self.inbox.take_all()
-            now = time.monotonic()
+            now = self.clock.now()
             if self._audio_out is not None:
-                self._sync_playback()  # a barge-in in this input truncates at what was really played
+                self._sync_playback(self._audio_out)  # a barge-in in this input truncates at what was really played
             for item in items:
                 if isinstance(item, LinkClosed) and item.link is self.link and not self._on_link_closed(item.link, now):
                     return
@@ -513,13 +536,13 @@ class SessionRunner:
     def _trace_if_asked(self) -> None:
         """The client turned session.tracing on (only the Realtime protocol has it): the session's span
         starts, back-dated to the session's start. Once on it stays on (realtime/tracing_config.py)."""
-        if self._trace is None and self.deps.tracer is not None and (config := getattr(self.proto, "tracing", None)) is not None:
+        if self._trace is None and self.deps.tracer is not None and (config := self.proto.tracing) is not None:
             self._trace = SessionTrace(self.deps.tracer, config, self.id, self.transport, self._started_ns)
 
-    def _sync_playback(self) -> None:
+    def _sync_playback(self, audio_out: AudioOut) -> None:
         r = self.session.response
         if r is not None and not r.status.finished:
-            self.session.receive_played(self._audio_out.played_ms(r.id), 0, r.id)
+            self.session.receive_played(audio_out.played_ms(r.id), 0, r.id)
 
     def _arm_deadline(self, when: float) -> None:
         """Have the loop woken at `when`, or earlier: one timer kept across waits, not one per
@@ -530,7 +553,7 @@ class SessionRunner:
             if self._deadline_timer.when() <= when:
                 return
             self._deadline_timer.cancel()
-        self._deadline_timer = asyncio.get_running_loop().call_at(when, self._deadline_due)
+        self._deadline_timer = self.clock.call_at(when, self._deadline_due)
 
     def _deadline_due(self) -> None:
         self._deadline_timer = None
@@ -551,9 +574,9 @@ class SessionRunner:
                 self._client_input(lambda: self.proto.receive_audio(pcm, now), now)
             case EngineChunk(rid, chunk):
                 self.session.receive_engine_chunk(rid, chunk.pcm, chunk.text_delta, chunk.is_last, chunk.deadline, now)
-            case UserTranscript(rid, delta):
+            case EngineUserTranscript(rid, delta):
                 self.session.receive_user_transcript(rid, delta)
-            case UserTranscriptEnd(rid, error):
+            case EngineUserTranscriptEnd(rid, error):
                 if error is None:
                     self.session.receive_user_transcript_end(rid)
                 else:
@@ -674,7 +697,7 @@ class SessionRunner:
             written = False
             async for delta in handle.user_transcript():
                 written = True
-                self.inbox.put_server(UserTranscript(handle.id, delta))
+                self.inbox.put_server(EngineUserTranscript(handle.id, delta))
             if not written:
                 error = await answer
         except asyncio.CancelledError:
@@ -682,7 +705,7 @@ class SessionRunner:
         except Exception as e:  # the transcript fails alone: the answer goes on
             log.warning("session %s: the user transcript of response %s failed: %s", self.id, handle.id, e)
             error = e
-        self.inbox.put_server(UserTranscriptEnd(handle.id, error))
+        self.inbox.put_server(EngineUserTranscriptEnd(handle.id, error))
 
     def _flush(self) -> None:
         for msg in self.proto.data_to_send():
@@ -723,5 +746,5 @@ class SessionRunner:
         st = self.session.stats
         ttfa = f"{statistics.median(st.ttfa_ms):.0f} ms" if st.ttfa_ms else "-"
         log.info("session %s (%s) end: %.1f s, %d responses, %d barge-ins, ttfa p50 %s, %d chunks late, %d underruns reported, %s%s",
-                 self.id, self.transport, time.monotonic() - self._started, st.responses, st.barge_ins, ttfa, st.chunks_late,
+                 self.id, self.transport, self.clock.now() - self._started, st.responses, st.barge_ins, ttfa, st.chunks_late,
                  st.underruns_reported, self.end_reason().label, f": {self.closing.text}" if self.closing and self.closing.text else "")

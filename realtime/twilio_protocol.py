@@ -58,6 +58,7 @@ from realtime.session import (
     ResponseStatus,
     Session,
     SessionError,
+    SessionEvent,
 )
 
 log = logging.getLogger("duplex.twilio")
@@ -138,7 +139,7 @@ class TwilioProtocol:
         self.stats = StreamStats()
         self.faults: Counter[str] = Counter()
         self._on_fault = on_fault
-        self._out: list[str] = []
+        self._out: list[str | bytes] = []
         self._inputs: list[SessionInput] = []
         self._upsampler = Upsampler()  # one stream per direction: no clicks at 20 ms frame edges
         self._encoder = _FrameEncoder()
@@ -153,7 +154,7 @@ class TwilioProtocol:
     def open(self) -> None:
         """Twilio speaks first (`connected`, `start`); nothing to send."""
 
-    def data_to_send(self) -> list[str]:
+    def data_to_send(self) -> list[str | bytes]:
         out, self._out = self._out, []
         return out
 
@@ -163,6 +164,15 @@ class TwilioProtocol:
 
     def take_engine_options(self) -> None:
         return None  # Twilio has no way to change them mid-call
+
+    tracing = None  # a call has no session.tracing (its spans would have no client to ask for them)
+    model = "duplex-opuslm"  # never reported: a call is not traced
+
+    def playback_stopped(self, response_id: str) -> None:
+        """Never called: Twilio's audio travels in `media` messages, not on a transport's own `AudioOut`."""
+
+    def resumed_message(self, last_seq: int, replayed: int, missed: int) -> str:
+        raise RuntimeError("a Twilio stream is never resumed (it has no resume token)")
 
     def error(self, code: str, message: str, retry_after_s: float | None = None) -> None:
         """A server-side error (idle timeout, shutdown, engine failure, overload): Twilio has no error message;
@@ -286,7 +296,7 @@ class TwilioProtocol:
                  "mark": _on_mark, "stop": _on_stop}
 
     # ---- session events -> Twilio ----
-    def send_session_events(self, events: Iterable) -> None:
+    def send_session_events(self, events: list[SessionEvent]) -> None:
         for ev in events:
             if isinstance(ev, ResponseCreated):
                 self._encoder.reset()
@@ -313,9 +323,9 @@ class TwilioProtocol:
             # speech started/stopped, text deltas, commits: Twilio has no message for them (a call's text is logged whole)
 
     def _send_media(self, frames: list[bytes]) -> None:
-        if not frames or self.start is None or self.state is StreamState.STOPPED:
-            return
         pb = self._playback
+        if not frames or self.start is None or self.state is StreamState.STOPPED or pb.response_id is None:
+            return
         for f in frames:
             self._emit({"event": "media", "streamSid": self.start.stream_sid, "media": {"payload": base64.b64encode(f).decode("ascii")}})
         pb.sent_ms += FRAME_MS * len(frames)

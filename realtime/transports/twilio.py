@@ -32,6 +32,7 @@ from realtime.transports.context import TransportContext
 from realtime.transports.websocket import CLOSE_TRY_AGAIN, WebSocketLink
 from realtime.twilio_protocol import (
     FRAME_MS,
+    StreamStart,
     StreamState,
     TwilioProtocol,
     render_twiml,
@@ -141,9 +142,9 @@ class TwilioBridge:
         if not auth_token:
             return auth.authorized(req.headers, req.query)
         signature = req.headers.get("X-Twilio-Signature")
-        if signature and self._public_base(req) is not None:
+        if signature and (base := self._public_base(req)) is not None:
             query = urlencode([(k, v) for k, vs in req.query.items() for v in vs])
-            url = self._public_base(req).rstrip("/") + req.path + (f"?{query}" if query else "")
+            url = base.rstrip("/") + req.path + (f"?{query}" if query else "")
             if signature_valid(auth_token, url, form, signature):
                 return True
             log.warning("twiml webhook: X-Twilio-Signature does not match %s", url)
@@ -162,9 +163,8 @@ class TwilioBridge:
                                end_call_digit=cfg.telephony.end_call_digit,
                                on_fault=lambda kind: metrics.telephony_faults.labels(kind).inc(),
                                options=options, log_text=cfg.telephony.transcripts)
-        if not await self._await_start(ws, proto):
+        if (start := await self._await_start(ws, proto)) is None:
             return
-        start = proto.start
         token = start.custom_parameters.get("token", "")
         if not self._stream_authorized(token, start.call_sid):
             log.warning("twilio stream %s (call %s): missing or invalid token: closed", start.stream_sid, start.call_sid)
@@ -183,26 +183,26 @@ class TwilioBridge:
                  start.stream_sid, proto.stats.media_in, proto.stats.media_out, proto.stats.marks_echoed, proto.stats.clears,
                  "".join(proto.stats.digits), dict(proto.faults) or "none")
 
-    async def _await_start(self, ws: ServerConnection, proto: TwilioProtocol) -> bool:
-        """Read until `start` (`connected` comes first); False when the stream ended or was closed instead."""
+    async def _await_start(self, ws: ServerConnection, proto: TwilioProtocol) -> StreamStart | None:
+        """Read until `start` (`connected` comes first): its fields; None when the stream ended or was closed instead."""
         timeout_s = self.config.telephony.start_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 async for message in ws:
-                    proto.receive(message, time.monotonic())
+                    proto.receive(message, self.ctx.admission.deps.clock.now())  # the session's clock
                     if proto.state is not StreamState.AWAITING_START:
                         break
         except TimeoutError:
             log.warning("twilio stream: no start within %.0f s: closed", timeout_s)
             await ws.close(CLOSE_POLICY, "no start message")
-            return False
+            return None
         except ConnectionClosed:
-            return False
-        if proto.state is not StreamState.STREAMING:
+            return None
+        if proto.state is not StreamState.STREAMING or proto.start is None:
             code, reason = proto.closing or (1000, "")
             await ws.close(code, reason)
-            return False
-        return True
+            return None
+        return proto.start
 
     def _stream_authorized(self, token: str, call_sid: str) -> bool:
         auth = self.ctx.auth

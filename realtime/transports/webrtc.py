@@ -229,6 +229,10 @@ class DataChannelLink:
     async def close(self, code: int, reason: str) -> None:
         await self.pc.close()
 
+    def lost(self) -> bool:
+        """A WebRTC call is never resumed (its session gets no resume token): the peer connection's end is the call's."""
+        return False
+
     async def opened(self) -> None:
         """Until the data channel is open (or the link ended)."""
         await self._open.wait()
@@ -253,9 +257,10 @@ class WebRtcCalls:
                 form = parse_form_data(ctype, req.body)
                 body = form["sdp"]
                 if "session" in form:
-                    session_cfg = client_json.loads(form["session"].decode("utf-8"))
-                    if not isinstance(session_cfg, dict):
+                    loaded = client_json.loads(form["session"].decode("utf-8"))
+                    if not isinstance(loaded, dict):
                         raise ValueError("'session' must be a JSON object")
+                    session_cfg = loaded
             except (FormDataError, KeyError, UnicodeDecodeError, ValueError, client_json.BadJson) as e:
                 return json_error(HTTPStatus.BAD_REQUEST, "invalid_request", f"the form needs an 'sdp' field and an optional "
                                                                              f"'session' JSON object ({e})")
@@ -427,5 +432,5 @@ def _offer_loopback_candidates() -> None:
         addresses = original(use_ipv4, use_ipv6)
         return [*addresses, "127.0.0.1"] if use_ipv4 and "127.0.0.1" not in addresses else addresses
 
-    with_loopback._duplex_loopback = True
+    setattr(with_loopback, "_duplex_loopback", True)  # a mark on the function itself: patched once per process
     aioice.ice.get_host_addresses = with_loopback

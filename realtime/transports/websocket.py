@@ -63,7 +63,7 @@ class WebSocketLink:
 
 def error_event(code: str, message: str, retry_after_s: float | None = None) -> str:
     """An `error` event sent before any session exists (capacity refusal: with `retry_after_s`)."""
-    error = {"type": "server_error", "code": code, "message": message, "param": None, "event_id": None}
+    error: dict[str, str | float | None] = {"type": "server_error", "code": code, "message": message, "param": None, "event_id": None}
     if retry_after_s is not None:
         error["retry_after_s"] = retry_after_s
     return json.dumps({"type": "error", "event_id": "event_0", "error": error})
@@ -83,6 +83,8 @@ def register(ctx: TransportContext) -> None:
     admission, limits = ctx.admission, ctx.config.limits
 
     async def handle(ws: ServerConnection) -> None:
+        if ws.request is None:  # (never: a handler runs after the opening handshake)
+            return
         query = parse_qs(urlsplit(ws.request.path).query)
         if "resume" in query:
             return await resume(ws, query)

@@ -127,6 +127,12 @@ def answer_pcm(conv_index: int, response_index: int, start_sample: int, n: int) 
     return v.astype(np.int16)
 
 
+def _now() -> float:
+    """The running loop's time: time.monotonic() on an ordinary loop, virtual on a test's virtual-time
+    loop (virtual_time.py), where chunk deadlines must be on the runner's clock."""
+    return asyncio.get_running_loop().time()
+
+
 def ms_to_samples(ms: float) -> int:
     return int(round(ms * SAMPLES_PER_MS))
 
@@ -224,11 +230,11 @@ class FakeResponseHandle:
         self.cancelled = False
         self.cancels: list[float] = []  # played_ms of each cancel() call on this handle
         self.produced: list[AudioChunk] = []  # chunks generated, in order
-        self.produced_at: list[float] = []  # time.monotonic() each was generated (against its deadline)
+        self.produced_at: list[float] = []  # _now() each was generated (against its deadline)
         self.delivered: list[AudioChunk] = []  # chunks `chunks()` yielded to the consumer
         self.generated_samples = 0
         self.error: EngineError | None = None
-        self.started_at: float | None = None  # time.monotonic() of the first step
+        self.started_at: float | None = None  # _now() of the first step
         self.dropped_exchanges: tuple[str, ...] = ()
         self.plan = conv.plan  # fixed at respond()
         self.options = conv.degradation.apply(conv.options)  # fixed at respond() (what the gateway set before it)
@@ -295,12 +301,16 @@ class FakeResponseHandle:
         self.cancels.append(float(played_ms))
         self.conv.cancels.append((self.id, float(played_ms)))
         self.conv.calls.append(("cancel", self.id, float(played_ms)))
+        self._stop(int(max(0.0, played_ms) // FRAME_MS))
+
+    def _stop(self, keep_frames: int | None) -> None:
+        """As the engine's record.stop: `keep_frames` None keeps all that was generated (a suspend)."""
         if self.ended:
             self.cancelled = True  # the consumer gets nothing more, even chunks still queued
             if self.conv._latest is self:  # only the latest answer can still be cut
-                self._cut(played_ms)
+                self._cap(keep_frames)
             return
-        self._cap(played_ms)
+        self._cap(keep_frames)
         if not self.cancelled:
             self.cancelled = True
             self._queue.put_nowait(_END)  # wake the consumer: it ends without is_last
@@ -350,14 +360,14 @@ class FakeResponseHandle:
             self._check_failure(k)
             delta = word if k == 0 else " " + word
             self.text += delta
-            self._deliver(AudioChunk(self.id, np.zeros(0, np.int16), 0.0, 0.0, time.monotonic(), text_delta=delta))
+            self._deliver(AudioChunk(self.id, np.zeros(0, np.int16), 0.0, 0.0, _now(), text_delta=delta))
         return len(words)
 
     async def _speak(self, k: int) -> None:
         """The answer's audio, `chunk_ms` a step; deadlines count from its first audio step (as the codec stage's)."""
         total = ms_to_samples(min(self.plan.answer_ms, self.options.max_response_ms))
         per_chunk = max(1, ms_to_samples(self.plan.chunk_ms))
-        audio_t0 = time.monotonic()
+        audio_t0 = _now()
         while self.generated_samples < total:
             await asyncio.sleep(self.conv.engine.step_s(self.plan))  # one engine step (0: one loop turn)
             if self.cancelled:
@@ -382,16 +392,12 @@ class FakeResponseHandle:
 
     def _deliver(self, chunk: AudioChunk) -> None:
         self.produced.append(chunk)
-        self.produced_at.append(time.monotonic())
+        self.produced_at.append(_now())
         self._queue.put_nowait(chunk)
 
-    def _cap(self, played_ms: float) -> None:
-        frames = int(max(0.0, played_ms) // FRAME_MS) if played_ms != float("inf") else None
+    def _cap(self, frames: int | None) -> None:
         if frames is not None:
             self._cap_frames = frames if self._cap_frames is None else min(self._cap_frames, frames)
-
-    def _cut(self, played_ms: float) -> None:
-        self._cap(played_ms)
         if self._cap_frames is not None:
             self._turn.frames = min(self._turn.frames, self._cap_frames)
 
@@ -403,7 +409,7 @@ class FakeResponseHandle:
                 self.status = "cancelled"
                 return
             self.started, self.status = True, "generating"
-            self.started_at = time.monotonic()
+            self.started_at = _now()
             k = 0
             if self.options.assistant_text:
                 k = await self._write_text()
@@ -412,7 +418,7 @@ class FakeResponseHandle:
             elif self.options.output_audio:
                 await self._speak(k)
             else:
-                self._deliver(AudioChunk(self.id, np.zeros(0, np.int16), 0.0, 0.0, time.monotonic(), is_last=True))
+                self._deliver(AudioChunk(self.id, np.zeros(0, np.int16), 0.0, 0.0, _now(), is_last=True))
             self.status = "cancelled" if self.cancelled else "completed"
         except EngineError as e:
             self.status, self.error = "failed", e
@@ -569,13 +575,11 @@ class FakeConversation:
         applied = h is not None and h.id == response_id and not self.closed
         older = None if applied or self.closed else next((x for x in self._exchanges if x.id == response_id and x.ended), None)
         self.truncates.append(TruncateCall(response_id, float(played_ms), applied or older is not None))
+        frames = int(max(0.0, played_ms) // FRAME_MS)
         if older is not None:
-            older._cut(played_ms)
+            older._cap(frames)
         elif applied:
-            if h.ended:
-                h._cut(played_ms)
-            else:
-                h._cap(played_ms)
+            h._cap(frames)
 
     def delete_turn(self, response_id: str, role: Role) -> None:
         self._check_open()
@@ -595,7 +599,7 @@ class FakeConversation:
         if h is not None and h.speculative and not h.discarded:
             h.discard()
         elif h is not None and not h.ended and not h.cancelled:
-            h.cancel(float("inf"))
+            h._stop(None)  # nobody hears the cut: the history keeps what was generated
         self.engine.suspended.add(self.id)
 
     def resume(self) -> None:
@@ -618,7 +622,7 @@ class FakeConversation:
         h = self._latest
         if h is not None and not h.ended:
             if not h.cancelled:
-                h.cancelled = True  # keeps what was generated (the engine's cancel(inf))
+                h.cancelled = True  # keeps what was generated (the engine's stop(keep=None))
                 h._queue.put_nowait(_END)
             await h.wait_ended()
         self.engine._release(self)

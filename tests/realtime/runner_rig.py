@@ -1,6 +1,8 @@
 """The session runner's test rig: an Admission over the fake engine, an in-memory link, audio helpers.
 
-Shared by test_runner.py and test_hostile.py (imported by name: tests/ has no packages).
+Shared by test_runner.py and test_hostile.py (imported by name: tests/ has no packages). Everything here
+reads the running loop's time, so the same rig runs on the wall clock (`run`) or on virtual time
+(`run_virtual`, tests/realtime/virtual_time.py: the Rig hands the loop's virtual clock to the Admission).
 """
 
 from __future__ import annotations
@@ -8,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import time
 
 import numpy as np
 import soxr
@@ -23,13 +24,14 @@ from realtime.protocol import OpusOutput, ProtocolLimits, RealtimeProtocol, Resu
 from realtime.resume import new_resume_token
 from realtime.runner import SessionRunner
 from realtime.vad_batch import VadBatcher
+from virtual_time import current_clock, run_virtual as _run_virtual
 
 RATE = 16_000  # engine side
 WIRE_RATE = 24_000  # audio/pcm on the wire
 LEAD_MS = 150.0  # config default audio.lead_ms
 FRAME_MS = 40  # config default audio.output_frame_ms
 TEST_TIMEOUT_S = 15.0
-STALL_MS = 250.0  # slack for a loaded machine where the cursor is checked against the pacer's ideal schedule
+STALL_MS = 0.0  # slack where the cursor is checked against the pacer's ideal schedule: none on virtual time (no stalls)
 
 
 # ---- the in-memory link ---------------------------------------------------------------------------
@@ -38,7 +40,7 @@ _EOF = object()
 
 
 class MemoryLink:
-    """The runner's `Link`: messages() fed from a queue, send() recorded with time.monotonic() stamps,
+    """The runner's `Link`: messages() fed from a queue, send() recorded with the loop's time,
     close() recorded, lost() a settable flag."""
 
     def __init__(self, block_send: bool = False) -> None:
@@ -61,7 +63,7 @@ class MemoryLink:
         self.send_calls += 1
         if self.block_send:
             await asyncio.get_running_loop().create_future()  # a client that never reads
-        self.sent.append((time.monotonic(), message))
+        self.sent.append((asyncio.get_running_loop().time(), message))
 
     async def close(self, code: int, reason: str) -> None:
         self.closes.append((code, reason))
@@ -117,14 +119,16 @@ class FloodLink(MemoryLink):
 
 
 class Rig:
-    """An Admission over a FakeEngine with a config from realtime.config (`config_from_dict(config)`)."""
+    """An Admission over a FakeEngine with a config from realtime.config (`config_from_dict(config)`), on the
+    running loop's clock (made inside the test's loop)."""
 
     def __init__(self, engine: FakeEngine | None = None, config: dict | None = None) -> None:
         self.engine = engine or FakeEngine(capacity=4)
         self.cfg = config_from_dict(config or {})
         self.metrics = GatewayMetrics()
         self.vad = VadBatcher(self.cfg.audio.vad_batch_ms) if self.cfg.audio.vad_batch_ms > 0 else None
-        self.adm = Admission(self.engine, self.cfg, self.metrics, self.vad)
+        self.clock = current_clock()
+        self.adm = Admission(self.engine, self.cfg, self.metrics, self.vad, clock=self.clock)
         self.tasks: dict[str, asyncio.Task] = {}
 
     def open(self, link: MemoryLink, resumable: bool = False) -> SessionRunner:
@@ -160,10 +164,19 @@ def run(coro_fn) -> None:
     asyncio.run(main())
 
 
+def run_virtual(coro_fn, busy_s: float = 0.0) -> None:
+    """`run` on virtual time: its own virtual-time loop, bounded in virtual time (and in wall time by the
+    loop itself). `busy_s`: virtual seconds each busy turn of the loop costs (virtual_time.py)."""
+    async def main():
+        await asyncio.wait_for(coro_fn(), TEST_TIMEOUT_S)
+    _run_virtual(main, busy_s=busy_s)
+
+
 async def until(pred, what: str, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
     while not pred():
-        if time.monotonic() > end:
+        if loop.time() > end:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.005)
 

@@ -7,7 +7,9 @@ what the engine was told, close codes, end reasons, metrics.
 
 Speech is engine/codec/synth.py's `speech_like` (Silero detects it); the client sends it as
 input_audio_buffer.append events of pcm16 at 24 kHz, faster than real time (VAD works on sample
-positions, not on the clock). Answers are paced at real time, so the tests keep them short.
+positions, not on the clock). Every test runs on virtual time (`run_virtual`, virtual_time.py): the
+runner's clock is the event loop's, which jumps to the next timer whenever every task waits on one, so
+answers are paced in virtual seconds that take no wall time, and the times asserted are exact.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import asyncio
 import dataclasses
 import base64
 import json
-import time
 
 import numpy as np
 import pytest
 from fake_engine import FakeEngine, TruncateCall
+from virtual_time import lag
 
 from engine.service_api import AtCapacity, Role
 from realtime.audio import InputDecoder, WireFormat
@@ -29,7 +31,7 @@ from realtime.resume import ResumeRefused
 
 from runner_rig import (
     FRAME_MS, LEAD_MS, RATE, STALL_MS, WIRE_RATE, FloodLink, MemoryLink, Rig, appends, assert_audio_equal, decode_deltas,
-    delta_ms, index_of, run, silence16, speech16, until, user_turn16, wire_answer,
+    delta_ms, index_of, run_virtual, silence16, speech16, until, user_turn16, wire_answer,
 )
 
 
@@ -99,7 +101,7 @@ def test_turn_taking_user_speech_to_a_paced_answer_of_the_engines_audio(vad_batc
         assert rig.metric("duplex_speculative_responses_total", outcome="confirmed") == 1.0
         assert rig.metric("duplex_sessions_ended_total", transport="websocket", reason="client_closed") == 1.0
 
-    run(main)
+    run_virtual(main)
 
 
 def test_pacing_releases_no_faster_than_real_time_plus_lead():
@@ -119,11 +121,11 @@ def test_pacing_releases_no_faster_than_real_time_plus_lead():
             assert sent_ms <= 1000 * (t - t0) + LEAD_MS + FRAME_MS + 40 + 30, (sent_ms, t - t0)
         assert sent_ms == pytest.approx(1000, abs=1)
         span = timed[-1][0] - t0
-        assert 0.7 <= span <= 2.0, span  # a 1 s answer: ~0.81 s from its first frame to its last
+        assert span == pytest.approx(1.0 - LEAD_MS / 1000, abs=FRAME_MS / 1000), span  # 1 s of answer, its lead sent at once
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 # ---- barge-in, cancel, truncate -------------------------------------------------------------------------
@@ -177,7 +179,7 @@ def test_barge_in_truncates_at_the_playback_cursor():
         await rig.ended(runner)
         assert rig.metric("duplex_barge_ins_total") == 1.0
 
-    run(main)
+    run_virtual(main)
 
 
 def test_client_cancel_then_truncate_after_completion():
@@ -230,7 +232,7 @@ def test_client_cancel_then_truncate_after_completion():
         assert rig.metric("duplex_responses_total", status="completed") == 1.0
         assert rig.metric("duplex_client_errors_total") == 1.0
 
-    run(main)
+    run_virtual(main)
 
 
 def test_exchanges_the_engine_drops_for_its_context_are_deleted_items():
@@ -260,7 +262,7 @@ def test_exchanges_the_engine_drops_for_its_context_are_deleted_items():
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 def test_audio_items_deleted_by_the_client_leave_the_models_history():
@@ -310,7 +312,7 @@ def test_audio_items_deleted_by_the_client_leave_the_models_history():
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 # ---- failures and limits ---------------------------------------------------------------------------------
@@ -346,17 +348,17 @@ def test_engine_failure_fails_the_response_and_the_session_goes_on():
         assert rig.metric("duplex_responses_total", status="failed") == 1.0
         assert rig.metric("duplex_client_errors_total") == 0.0  # the engine's failure is not the client's
 
-    run(main)
+    run_virtual(main)
 
 
 def test_idle_timeout_closes_a_silent_session():
     async def main():
         rig = Rig(config={"limits": {"idle_timeout_s": 0.3}})
         link = MemoryLink()
-        t0 = time.monotonic()
+        t0 = asyncio.get_running_loop().time()
         runner = rig.open(link)
         await rig.ended(runner)
-        assert 0.25 <= time.monotonic() - t0 <= 2.0
+        assert asyncio.get_running_loop().time() - t0 == pytest.approx(0.3)
         assert runner.end_reason() is CloseReason.IDLE_TIMEOUT
         assert link.types() == ["session.created", "error"]
         err = link.of("error")[0]["error"]
@@ -367,16 +369,16 @@ def test_idle_timeout_closes_a_silent_session():
 
         # a client event restarts the clock
         link2 = MemoryLink()
-        t0 = time.monotonic()
+        t0 = asyncio.get_running_loop().time()
         runner2 = rig.open(link2)
         for _ in range(3):
             await asyncio.sleep(0.2)
             link2.feed({"type": "input_audio_buffer.clear"})
         await rig.ended(runner2)
-        assert time.monotonic() - t0 >= 0.85
+        assert asyncio.get_running_loop().time() - t0 == pytest.approx(3 * 0.2 + 0.3)
         assert runner2.end_reason() is CloseReason.IDLE_TIMEOUT and link2.types()[-1] == "error"
 
-    run(main)
+    run_virtual(main)
 
 
 def test_idle_timeout_waits_for_a_playing_answer_without_blocking_the_event_loop():
@@ -387,7 +389,7 @@ def test_idle_timeout_waits_for_a_playing_answer_without_blocking_the_event_loop
 
         async def ticker():
             while True:
-                ticks.append(time.monotonic())
+                ticks.append(asyncio.get_running_loop().time())
                 await asyncio.sleep(0.01)
 
         tick_task = asyncio.create_task(ticker())
@@ -400,12 +402,14 @@ def test_idle_timeout_waits_for_a_playing_answer_without_blocking_the_event_loop
         assert link.types()[-2:] == ["response.done", "error"]
         assert link.of("response.done")[0]["response"]["status"] == "completed"
         # ... and it is paced to the end, with the event loop free all along
+        # every tick on time: no task held the loop past a timer (on virtual time a task that keeps the loop
+        # busy stops the clock instead, and the loop's wall-clock limit fails the test)
         gaps = [b - a for a, b in zip(ticks, ticks[1:])]
-        assert max(gaps) < 0.35, f"the event loop was blocked for {max(gaps):.2f} s"
+        assert max(gaps) == pytest.approx(0.01), f"the event loop was blocked for {max(gaps):.2f} s"
         timed = [(t, e) for t, e in link.timed_events() if e["type"] == "response.output_audio.delta"]
         assert timed[-1][0] - timed[0][0] >= 0.8
 
-    run(main)
+    run_virtual(main)
 
 
 def test_slow_client_is_disconnected():
@@ -422,7 +426,7 @@ def test_slow_client_is_disconnected():
         assert rig.metric("duplex_sessions_refused_total", reason="slow_client") == 1.0
         assert rig.conv(runner).closed and rig.adm.sessions == {}
 
-    run(main)
+    run_virtual(main)
 
 
 def test_engine_chunks_reach_the_client_behind_a_full_client_lane():
@@ -441,21 +445,21 @@ def test_engine_chunks_reach_the_client_behind_a_full_client_lane():
             full_seen += len(runner.inbox._client) >= runner.inbox.limit
             return bool(link.of("response.done"))
 
-        t0 = time.monotonic()
+        t0 = asyncio.get_running_loop().time()
         await until(sample, "response.done behind the flood", timeout=5)
-        elapsed = time.monotonic() - t0
+        elapsed = asyncio.get_running_loop().time() - t0
         flood_at_done = link.flood_sent
         done = link.of("response.done")[0]["response"]
         assert done["status"] == "completed" and done["duplex"]["audio_ms"] == 600.0
         assert_audio_equal(decode_deltas(link.deltas(done["id"])), wire_answer(rig.conv(runner).index, 0, 600))
-        assert elapsed <= 2.0, elapsed  # real time (~0.45 s) with slack, not behind the flood
+        assert elapsed <= 0.6, elapsed  # its audio's real time (less the lead) and the loop's busy turns, not behind the flood
         assert flood_at_done > 100 and full_seen > 0  # the client lane was busy all along
         assert link.of("error") == []
         link.flooding = False
         await rig.ended(runner)
         assert runner.end_reason() is CloseReason.CLIENT_CLOSED
 
-    run(main)
+    run_virtual(main, busy_s=1e-4)  # each turn of the flooded loop costs 100 µs: time passes while it is busy
 
 
 # ---- resume ------------------------------------------------------------------------------------------------
@@ -509,7 +513,7 @@ def test_lost_link_detaches_and_attach_replays_then_resumes_pacing():
         assert runner.end_reason() is CloseReason.CLIENT_CLOSED and b.closes == [(1000, "")]
         assert rig.adm.find_resumable(runner.resume_token) is None
 
-    run(main)
+    run_virtual(main)
 
 
 def test_resume_past_the_replay_buffer_ends_the_answer_cleanly():
@@ -541,7 +545,7 @@ def test_resume_past_the_replay_buffer_ends_the_answer_cleanly():
         b.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 def test_not_resumed_within_the_grace_ends_the_session():
@@ -550,10 +554,10 @@ def test_not_resumed_within_the_grace_ends_the_session():
         a = MemoryLink()
         runner = rig.open(a, resumable=True)
         await until(lambda: a.sent, "session.created")
-        t0 = time.monotonic()
+        t0 = asyncio.get_running_loop().time()
         a.hang_up(lost=True)
         await rig.ended(runner)
-        assert 0.25 <= time.monotonic() - t0 <= 2.0
+        assert asyncio.get_running_loop().time() - t0 == pytest.approx(0.3)  # the grace
         assert runner.end_reason() is CloseReason.CONNECTION_LOST
         assert a.closes == [(1001, "connection lost")]
         assert rig.conv(runner).closed and rig.adm.find_resumable(runner.resume_token) is None
@@ -568,7 +572,7 @@ def test_not_resumed_within_the_grace_ends_the_session():
         await rig.ended(runner2, timeout=1)
         assert runner2.end_reason() is CloseReason.CLIENT_CLOSED
 
-    run(main)
+    run_virtual(main)
 
 
 # ---- admission -------------------------------------------------------------------------------------------
@@ -600,7 +604,7 @@ def test_admission_refuses_beyond_the_engines_capacity_and_discard_frees_it():
         await rig.ended(runner2)
         assert rig.metric("duplex_sessions_total") == 2.0
 
-    run(main)
+    run_virtual(main)
 
 
 def test_admission_refuses_beyond_max_sessions_before_asking_the_engine():
@@ -617,7 +621,7 @@ def test_admission_refuses_beyond_max_sessions_before_asking_the_engine():
             l.hang_up()
             await rig.ended(r)
 
-    run(main)
+    run_virtual(main)
 
 
 def test_stop_tells_every_session_and_closes_them_1001():
@@ -640,7 +644,7 @@ def test_stop_tells_every_session_and_closes_them_1001():
         with pytest.raises(AtCapacity):
             rig.admit(MemoryLink())
 
-    run(main)
+    run_virtual(main)
 
 
 def test_nothing_follows_the_final_error_of_a_shutdown():
@@ -651,13 +655,13 @@ def test_nothing_follows_the_final_error_of_a_shutdown():
         link.feed({"type": "response.create"})
         await until(lambda: sum(map(delta_ms, link.deltas())) >= 300, "300 ms of answer sent")
         runner.shutdown(CloseReason.SERVER_SHUTDOWN, "server_shutting_down", "the server is shutting down")
-        time.sleep(0.12)  # the event loop is late (a GC pause, a busy neighbour): frames are due when the shutdown is handled
+        lag(0.12)  # the event loop is late (a GC pause, a busy neighbour): frames are due when the shutdown is handled
         await rig.ended(runner)
         assert runner.end_reason() is CloseReason.SERVER_SHUTDOWN
         assert link.of("error")[0]["error"]["code"] == "server_shutting_down"
         assert link.types()[-1] == "error", link.types()[-4:]
 
-    run(main)
+    run_virtual(main)
 
 
 def test_stop_does_not_keep_a_lost_link_for_a_resume():
@@ -671,7 +675,7 @@ def test_stop_does_not_keep_a_lost_link_for_a_resume():
         await rig.ended(runner, timeout=1)
         assert runner.end_reason() is CloseReason.CLIENT_CLOSED
 
-    run(main)
+    run_virtual(main)
 
 
 def test_a_speculation_is_taken_back_before_a_detached_session_gives_its_slot_back():
@@ -693,4 +697,4 @@ def test_a_speculation_is_taken_back_before_a_detached_session_gives_its_slot_ba
         assert conv.history == [] and not a.of("response.created")
         assert rig.engine.suspended == {runner.id}
 
-    run(main)
+    run_virtual(main)

@@ -2,14 +2,15 @@
 (session.update's input transcription), text-only answers (a session's or one response's
 output_modalities), the answer's text on its audio transcript (config session.assistant_text), typed
 user turns, and the refusals of a model without text. A real RealtimeProtocol, Session and
-SessionRunner over the fake engine (tests/realtime/fake_engine.py) and an in-memory link."""
+SessionRunner over the fake engine (tests/realtime/fake_engine.py) and an in-memory link, on virtual time
+(tests/realtime/virtual_time.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 from fake_engine import AnswerPlan, FakeEngine, answer_text, user_transcript_text
 
-from runner_rig import MemoryLink, Rig, appends, decode_deltas, run, until, user_turn16, wire_answer, assert_audio_equal
+from runner_rig import MemoryLink, Rig, appends, decode_deltas, run_virtual, until, user_turn16, wire_answer, assert_audio_equal
 
 TRANSCRIBE = {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"transcription": {"model": "whisper-1"}}}}}
 
@@ -44,7 +45,7 @@ def test_a_spoken_turns_transcript_comes_for_its_item_and_stays_on_it():
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 def test_a_failed_transcript_is_told_for_its_item_and_the_answer_goes_on():
@@ -65,7 +66,7 @@ def test_a_failed_transcript_is_told_for_its_item_and_the_answer_goes_on():
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 def test_a_text_only_session_answers_in_output_text():
@@ -95,7 +96,7 @@ def test_a_text_only_session_answers_in_output_text():
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 def test_a_typed_turn_answered_in_text_then_in_audio_one_response_at_a_time():
@@ -127,7 +128,7 @@ def test_a_typed_turn_answered_in_text_then_in_audio_one_response_at_a_time():
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 def test_assistant_text_in_the_config_puts_the_models_text_on_the_audio_transcript():
@@ -153,7 +154,7 @@ def test_assistant_text_in_the_config_puts_the_models_text_on_the_audio_transcri
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 def test_a_model_without_text_refuses_each_text_field_by_name():
@@ -187,7 +188,7 @@ def test_a_model_without_text_refuses_each_text_field_by_name():
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 def test_transcription_hints_are_accepted_and_echoed_and_unknown_fields_refused_by_name():
@@ -219,7 +220,7 @@ def test_transcription_hints_are_accepted_and_echoed_and_unknown_fields_refused_
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 def test_settings_changed_while_a_text_answer_runs_keep_it_text():
@@ -244,7 +245,7 @@ def test_settings_changed_while_a_text_answer_runs_keep_it_text():
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
 
 
 def test_a_config_given_with_the_connection_reaches_the_engine_before_the_first_answer():
@@ -272,4 +273,4 @@ def test_a_config_given_with_the_connection_reaches_the_engine_before_the_first_
         link.hang_up()
         await rig.ended(runner)
 
-    run(main)
+    run_virtual(main)
