@@ -208,27 +208,23 @@ class InputDecoder:
 
     def __init__(self, fmt: WireFormat) -> None:
         self.format = fmt
-        self._opus = None
-        if fmt is WireFormat.OPUS:
-            self._opus = OpusDecoder(ENGINE_RATE_HZ)
-            self._resampler = None
-        else:
-            self._resampler = StreamResampler(fmt.rate_hz, ENGINE_RATE_HZ)
+        # Opus decodes straight to 16 kHz; the PCM formats are resampled from their wire rate
+        self._codec = OpusDecoder(ENGINE_RATE_HZ) if fmt is WireFormat.OPUS else StreamResampler(fmt.rate_hz, ENGINE_RATE_HZ)
 
     def decode(self, payload: bytes) -> np.ndarray:
-        if self._opus is not None:
-            return self._opus.decode(payload)
+        if isinstance(self._codec, OpusDecoder):
+            return self._codec.decode(payload)
         if self.format is WireFormat.PCM16:
             pcm = _int16_from_le_bytes(payload)
         elif self.format is WireFormat.PCMU:
             pcm = ulaw_decode(payload)
         else:
             pcm = alaw_decode(payload)
-        return self._resampler.process(pcm)
+        return self._codec.process(pcm)
 
     def flush(self) -> np.ndarray:
         """What the resampler still holds of the audio decoded so far (a turn ends: it belongs to it)."""
-        return np.zeros(0, np.int16) if self._resampler is None else self._resampler.flush()
+        return self._codec.flush() if isinstance(self._codec, StreamResampler) else np.zeros(0, np.int16)
 
 
 class OutputEncoder:

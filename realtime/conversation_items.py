@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,7 +103,7 @@ class ConversationItems:
         return "\n".join(t for i in self._items.values() if i.role == "system" and (t := i.text()))
 
 
-def parse_new_item(ev: dict, input_format: WireFormat, new_id, text: bool = False) -> NewItem:
+def parse_new_item(ev: dict, input_format: WireFormat, new_id: Callable[[str], str], text: bool = False) -> NewItem:
     """conversation.item.create -> NewItem, or ClientError naming the field refused. `text`: the model reads
     text (a user's input_text is a typed turn; without it, refused)."""
     p = "item."

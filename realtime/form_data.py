@@ -26,5 +26,6 @@ def parse_form_data(content_type: str, body: bytes, max_fields: int = 8) -> dict
         name = part.get_param("name", header="content-disposition")
         if not isinstance(name, str) or (name in fields and not name.endswith("[]")) or k >= max_fields:
             raise FormDataError("each form field must have a unique name (at most %d fields)" % max_fields)
-        fields.setdefault(name, part.get_payload(decode=True) or b"")
+        payload = part.get_payload(decode=True)  # bytes, or None for a part that is itself multipart
+        fields.setdefault(name, payload if isinstance(payload, bytes) else b"")
     return fields

@@ -101,7 +101,7 @@ class TokenAuth:
 
     def matches(self, token: str) -> bool:
         """A token carried by the protocol itself (Twilio's customParameters)."""
-        return bool(self.token) and bool(token) and same_secret(token, self.token)
+        return bool(self.token and token and same_secret(token, self.token))
 
 
 def json_error(status: HTTPStatus, code: str, message: str, headers: dict | None = None, param: str | None = None) -> HttpReply:
@@ -172,7 +172,7 @@ class BodyConnection(ServerConnection):
         self._started = self.loop.time()
         self._deadline: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         if self.request_timeout_s is not None:
             self._set_deadline(self.request_timeout_s)

@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import email.utils
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from http import HTTPStatus
@@ -54,7 +54,7 @@ class HttpStream:
     """A reply whose body is `chunks`, sent as they come; iterated once, closed when the reply ends."""
 
     status: HTTPStatus
-    chunks: AsyncIterator[bytes]
+    chunks: AsyncGenerator[bytes, None]  # a generator: closing it runs its finally (the engine's iterator closed)
     content_type: str
     headers: dict[str, str] = field(default_factory=dict)
     stall_timeout_s: float = 30.0  # the client took no byte for this long: dropped, the body's iterator closed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.service_api import EngineLike
 from realtime.session import SessionStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -80,7 +81,7 @@ class GatewayMetrics:
         for ms in new.ttfa_ms[len(old.ttfa_ms):]:
             self.ttfa.observe(ms / 1000.0)
 
-    def render(self, engine) -> bytes:
+    def render(self, engine: EngineLike | None) -> bytes:
         if engine is not None:
             load = engine.load()
             self.engine_step_ms.set(load.step_ms)

@@ -29,10 +29,14 @@ up to 159 samples wait for the next call (the usual 20 ms client frame passes st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.service_api import SAMPLE_RATE_HZ
+
+if TYPE_CHECKING:
+    from webrtc_noise_gain import AudioProcessor  # no type information: the package has none
 
 NOISE_REDUCTION_TYPES = ("near_field", "far_field")  # session.update's audio.input.noise_reduction.type
 FRAME_SAMPLES = SAMPLE_RATE_HZ // 100  # WebRTC's audio processing works on 10 ms frames
@@ -53,7 +57,7 @@ SETTINGS = {
 _AGC_TARGET_DBFS = 3
 
 
-def _processor(settings: SuppressorSettings):
+def _processor(settings: SuppressorSettings) -> AudioProcessor:
     try:
         from webrtc_noise_gain import AudioProcessor
     except ImportError:
@@ -63,7 +67,7 @@ def _processor(settings: SuppressorSettings):
 
 @dataclass
 class _State:
-    processor: object  # webrtc_noise_gain.AudioProcessor: the suppressor's noise estimate, the AGC's gain
+    processor: AudioProcessor  # the suppressor's noise estimate, the AGC's gain
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int16))  # < one frame, not yet processed
 
 

@@ -28,13 +28,14 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from websockets.asyncio.server import ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import SERVER, Request, Response
 
-from engine.service_api import EngineLike
+from engine.service_api import Conversation, EngineLike
 from realtime.admission import Admission
 from realtime.config import ServerConfig
 from realtime.http import (MAX_BODY, BodyConnection, BodyLimit, HttpReply, HttpRequest, HttpRoute, Routes, TokenAuth, json_error,
@@ -47,6 +48,11 @@ from realtime.transports.context import TransportContext
 from realtime.vad_batch import VadBatcher
 from realtime.voices import load_voices
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from realtime.runner import SessionRunner
+
 log = logging.getLogger("duplex.gateway")
 
 TRANSPORTS = (websocket, webrtc, twilio, audio_api)  # a new transport is one new module here
@@ -56,7 +62,7 @@ class Gateway:
     """One server: the engine, the sessions, the metrics. `await start()`, `await stop()`."""
 
     def __init__(self, engine: EngineLike, config: ServerConfig, token: str | None = None, voices: dict | None = None,
-                 tracer_provider=None) -> None:
+                 tracer_provider: TracerProvider | None = None) -> None:
         """`voices`: `config.session.voices` already loaded (`load_voices`), else they are loaded here.
         `tracer_provider`: an OpenTelemetry TracerProvider for the sessions' spans (the caller's to shut
         down), else one from the OTEL_* environment, or none when it configures no exporter."""
@@ -75,7 +81,7 @@ class Gateway:
         tracer = None if self.tracer_provider is None else self.tracer_provider.get_tracer(TRACER_NAME)
         self.admission = Admission(engine, config, self.metrics, self.vad, tracer)
         self.routes = Routes()
-        self._server = None
+        self._server: Server | None = None
         self._cleanup: list[Callable[[], Awaitable[None]]] = []  # transports' resources, closed at stop()
         self._exchanges: set[asyncio.Task] = set()  # HTTP handlers running (their replies streaming), cancelled at stop()
         self.port: int | None = None
@@ -87,7 +93,7 @@ class Gateway:
         return self.auth.token
 
     @property
-    def sessions(self) -> dict:
+    def sessions(self) -> dict[str, SessionRunner]:
         return self.admission.sessions
 
     async def start(self) -> None:
@@ -101,15 +107,15 @@ class Gateway:
 
         # open_timeout=None: websockets' would also bound process_request, where replies stream
         # (realtime/http_stream.py); Connection holds the handshake's deadline instead
-        self._server = await serve(
+        self._server = server = await serve(
             self._handle_ws, self.config.server.host, self.config.server.port, process_request=self._process_request,
             max_size=lim.max_message_bytes, open_timeout=None, close_timeout=lim.close_timeout_s,
             ping_interval=lim.ping_interval_s, ping_timeout=lim.ping_timeout_s, max_queue=32, compression=None,
             create_connection=Connection,
         )
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port = server.sockets[0].getsockname()[1]
 
-    def conversation(self, session_id: str):
+    def conversation(self, session_id: str) -> Conversation:
         """The engine conversation behind a session (tests read its history)."""
         return self.sessions[session_id].conv
 
@@ -197,7 +203,8 @@ class Gateway:
             if request.method not in http_route.methods:
                 return respond(connection, HttpReply(HTTPStatus.METHOD_NOT_ALLOWED, f"use {' or '.join(http_route.methods)}\n",
                                                      headers={"Allow": ", ".join(http_route.methods)}))
-            req = HttpRequest(request.method, path, query, request.headers, getattr(connection, "body", b""))
+            assert isinstance(connection, BodyConnection)  # start() serves with create_connection=Connection
+            req = HttpRequest(request.method, path, query, request.headers, connection.body)
             return await self._serve_http(connection, http_route, req)
         if ws_route is None:
             return respond(connection, HttpReply(HTTPStatus.NOT_FOUND, "not found\n"))
@@ -212,7 +219,8 @@ class Gateway:
         work = asyncio.ensure_future(self._exchange(connection, route, req))
         self._exchanges.add(work)
         try:
-            await asyncio.wait({work, connection.lost}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {work, connection.lost}  # a Response or None: whichever ends first
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not work.done():
                 work.cancel()
@@ -263,5 +271,7 @@ class Gateway:
             route.on_refused(status)
 
     async def _handle_ws(self, ws: ServerConnection) -> None:
-        route = self.routes.ws[urlsplit(ws.request.path).path]
+        request = ws.request
+        assert request is not None  # a handler runs once the handshake is done
+        route = self.routes.ws[urlsplit(request.path).path]
         await route.handler(ws)

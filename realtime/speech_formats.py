@@ -27,6 +27,7 @@ its total-samples field 0 ("unknown", as the format allows) and MP3 carries no s
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import av
 import numpy as np
@@ -62,7 +63,7 @@ class _Sink:
     def __init__(self) -> None:
         self._parts: list[bytes] = []
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         self._parts.append(bytes(data))
         return len(data)
 
@@ -70,6 +71,28 @@ class _Sink:
         out = b"".join(self._parts)
         self._parts.clear()
         return out
+
+
+@dataclass
+class _Muxer:
+    """PyAV's encoder and muxer of one compressed format, writing into `sink`."""
+
+    container: av.container.OutputContainer
+    stream: av.AudioStream
+    sink: _Sink
+
+    @classmethod
+    def open(cls, fmt: str) -> _Muxer:
+        muxer, codec, bit_rate, options = _CODECS[fmt]
+        sink = _Sink()
+        container = av.open(sink, mode="w", format=muxer, options=options)
+        stream = container.add_stream(codec, rate=RATE_HZ, layout="mono")
+        if not isinstance(stream, av.AudioStream):  # every codec in _CODECS is an audio one
+            container.close()
+            raise TypeError(f"{codec} did not make an audio stream")
+        if bit_rate is not None:
+            stream.bit_rate = bit_rate
+        return cls(container, stream, sink)
 
 
 class SpeechEncoder:
@@ -85,14 +108,7 @@ class SpeechEncoder:
         self._header = wav_header() if fmt == "wav" else b""
         self._pts = 0
         self._finished = False
-        self._container = self._stream = self._sink = None
-        if fmt in _CODECS:
-            muxer, codec, bit_rate, options = _CODECS[fmt]
-            self._sink = _Sink()
-            self._container = av.open(self._sink, mode="w", format=muxer, options=options)
-            self._stream = self._container.add_stream(codec, rate=RATE_HZ, layout="mono")
-            if bit_rate is not None:
-                self._stream.bit_rate = bit_rate
+        self._muxer = _Muxer.open(fmt) if fmt in _CODECS else None  # None: pcm, wav
 
     def encode(self, pcm_16k: np.ndarray) -> bytes:
         pcm = np.asarray(pcm_16k, np.int16)
@@ -108,26 +124,27 @@ class SpeechEncoder:
 
     def _out(self, pcm: np.ndarray, final: bool) -> bytes:
         head, self._header = self._header, b""
-        if self._container is None:  # pcm, wav
+        m = self._muxer
+        if m is None:  # pcm, wav
             return head + pcm.astype("<i2").tobytes()
         if pcm.size:
             frame = av.AudioFrame.from_ndarray(pcm.astype(np.int16).reshape(1, -1), format="s16", layout="mono")
             frame.sample_rate, frame.pts = RATE_HZ, self._pts
             self._pts += pcm.size
-            for packet in self._stream.encode(frame):
-                self._container.mux(packet)
+            for packet in m.stream.encode(frame):
+                m.container.mux(packet)
         if final:
-            for packet in self._stream.encode(None):
-                self._container.mux(packet)
+            for packet in m.stream.encode(None):
+                m.container.mux(packet)
             self._finished = True
-            self._container.close()
-        return self._sink.take()
+            m.container.close()
+        return m.sink.take()
 
     def close(self) -> None:
         """Free the codec without finishing (the reply was cut); no-op after `finish`."""
-        if self._container is not None and not self._finished:
+        if self._muxer is not None and not self._finished:
             self._finished = True
             try:
-                self._container.close()
+                self._muxer.container.close()
             except Exception:  # a muxer that never started may refuse to write its trailer
                 pass

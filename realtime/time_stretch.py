@@ -32,7 +32,7 @@ class TimeStretch:
             raise ValueError(f"speed must be within [{MIN_SPEED}, {MAX_SPEED}], got {speed}")
         self.rate_hz = rate_hz
         self._graph = av.filter.Graph()
-        node = self._graph.add_abuffer(format="s16", sample_rate=rate_hz, layout="mono", time_base=f"1/{rate_hz}")
+        node = self._graph.add_abuffer(format="s16", sample_rate=rate_hz, layout="mono", time_base=Fraction(1, rate_hz))
         for factor in _stages(speed):
             stage = self._graph.add("atempo", f"{factor:.6f}")
             node.link_to(stage)

@@ -19,7 +19,7 @@ _FUNCTION_KEYS = {"type", "name", "description", "parameters"}
 NO_CALLS = "OpusLM has no function calling: it never calls a tool"
 
 
-def parse_tools(value, param: str) -> tuple[dict, ...]:
+def parse_tools(value: object, param: str) -> tuple[dict, ...]:
     """The function tools as they will be echoed (`{"type": "function", "name", "description", "parameters"}`);
     ClientError naming the first bad one."""
     if value is None:
@@ -51,11 +51,11 @@ def parse_tools(value, param: str) -> tuple[dict, ...]:
     return tuple(tools)
 
 
-def parse_tool_choice(value, param: str) -> str | None:
+def parse_tool_choice(value: object, param: str) -> str | None:
     """"auto" or "none" (None when not sent); a choice that forces a call: ClientError naming it."""
     if value is None:
         return None
-    if value in TOOL_CHOICES:
+    if isinstance(value, str) and value in TOOL_CHOICES:
         return value
     if value == "required" or isinstance(value, dict) and value.get("type") in ("function", "mcp"):
         raise unsupported(param, f"{NO_CALLS}, so it cannot be made to call one (use \"auto\" or \"none\")")

@@ -17,12 +17,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode, Tracer
+from opentelemetry.util.types import AttributeValue
 
 from realtime.session import ResponseAudio, ResponseCreated, ResponseDone, ResponseStatus, SessionStats
 from realtime.tracing_config import TracingConfig
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 SESSION_SPAN = "realtime.session"
 RESPONSE_SPAN = "realtime.response"
@@ -50,7 +55,7 @@ def exporter_names(env: Mapping[str, str] = os.environ) -> list[str]:
     return names
 
 
-def provider_from_env(env: Mapping[str, str] = os.environ):
+def provider_from_env(env: Mapping[str, str] = os.environ) -> TracerProvider | None:
     """A TracerProvider exporting as the OTEL_* variables say (the OTLP exporter reads its endpoint,
     headers, timeout and compression from them itself), or None when no exporter is configured: the
     SDK is then not even imported."""
@@ -59,11 +64,12 @@ def provider_from_env(env: Mapping[str, str] = os.environ):
         return None
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
     # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES are read by Resource.create; ours is only the default name
     provider = TracerProvider(resource=Resource.create({} if env.get("OTEL_SERVICE_NAME") else {"service.name": "duplex"}))
     for name in names:
+        exporter: SpanExporter
         if name == "otlp":
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -74,18 +80,21 @@ def provider_from_env(env: Mapping[str, str] = os.environ):
     return provider
 
 
-def config_attributes(config: TracingConfig) -> dict:
+def config_attributes(config: TracingConfig) -> dict[str, AttributeValue]:
     """The client's workflow_name, group_id and metadata as span attributes (metadata values that are
     not a string, number or boolean as JSON; so is an integer beyond OTLP's int64, which would fail
     the export of the whole batch)."""
-    attrs: dict = {}
+    attrs: dict[str, AttributeValue] = {}
     if config.workflow_name is not None:
         attrs["duplex.tracing.workflow_name"] = config.workflow_name
     if config.group_id is not None:
         attrs["duplex.tracing.group_id"] = config.group_id
     for key, value in (config.metadata or {}).items():
-        ok = isinstance(value, (str, bool, float)) or (isinstance(value, int) and -(2**63) <= value < 2**63)
-        attrs[f"duplex.tracing.metadata.{key}"] = value if ok else json.dumps(value, separators=(",", ":"))
+        name = f"duplex.tracing.metadata.{key}"
+        if isinstance(value, (str, bool, float)) or (isinstance(value, int) and -(2**63) <= value < 2**63):
+            attrs[name] = value
+        else:
+            attrs[name] = json.dumps(value, separators=(",", ":"))
     return attrs
 
 
@@ -125,7 +134,7 @@ class SessionTrace:
             return
         self.turns += 1
         status = ev.status.name.lower()
-        attrs = {"duplex.response.status": status, "duplex.response.frames_sent": frames,
+        attrs: dict[str, AttributeValue] = {"duplex.response.status": status, "duplex.response.frames_sent": frames,
                  "duplex.response.audio_sent_ms": round(ev.audio_ms, 1), "duplex.response.played_ms": round(ev.played_ms, 1)}
         if ev.reason is not None:
             attrs["duplex.response.reason"] = ev.reason

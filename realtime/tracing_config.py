@@ -24,17 +24,17 @@ _KEYS = ("workflow_name", "group_id", "metadata")
 class TracingConfig:
     workflow_name: str | None = None
     group_id: str | None = None
-    metadata: dict | None = None  # the client's, as sent (JSON values)
+    metadata: dict[str, object] | None = None  # the client's, as sent (JSON values)
     auto: bool = False  # "auto": the server's defaults, echoed as "auto"
 
-    def wire(self) -> str | dict:
+    def wire(self) -> str | dict[str, object]:
         """As session.created/updated echo it."""
         if self.auto:
             return "auto"
         return {"workflow_name": self.workflow_name, "group_id": self.group_id, "metadata": self.metadata}
 
 
-def parse_tracing(value, current: TracingConfig | None) -> TracingConfig | None:
+def parse_tracing(value: object, current: TracingConfig | None) -> TracingConfig | None:
     """The session's tracing after a session.update's `tracing` (`current`: the session's now);
     raises ClientError naming the field."""
     new = _parse(value)
@@ -46,7 +46,7 @@ def parse_tracing(value, current: TracingConfig | None) -> TracingConfig | None:
                       f"(it is {current.wire()!r})", PARAM)
 
 
-def _parse(value) -> TracingConfig | None:
+def _parse(value: object) -> TracingConfig | None:
     if value is None:
         return None
     if isinstance(value, str):

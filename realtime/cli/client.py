@@ -25,15 +25,19 @@ import time
 import wave
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from realtime.client import AudioSink, DuplexClient
 
 OUT_RATE_HZ = 24_000
 _SILENCE_MS = 100  # the open microphone's silence between turns, sent in pieces of this size
 _TURN_GAP_MS = 300  # silence after an answer before the next turn
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("client", help="talk to a running server: stream a WAV (or the microphone), print per-turn latency",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="ws://127.0.0.1:8000/v1/realtime", help="the server's WebSocket URL (default %(default)s)")
@@ -153,7 +157,7 @@ async def _main(args: argparse.Namespace, url: str, pcm: np.ndarray | None, rate
         talk = _Conversation(c, sink)
         consumer = asyncio.create_task(talk.consume())
         try:
-            if args.mic:
+            if pcm is None:  # --mic (run() takes --wav or --mic, one of them)
                 await _mic(c, talk)
                 return 0
             for k in range(1, args.turns + 1):
@@ -178,7 +182,7 @@ async def _main(args: argparse.Namespace, url: str, pcm: np.ndarray | None, rate
 class _Conversation:
     """The events side of `duplex client`: plays answers into the sink and records each turn's figures."""
 
-    def __init__(self, client, sink) -> None:
+    def __init__(self, client: DuplexClient, sink: AudioSink) -> None:
         from realtime.client import Player
 
         self.client, self.sink = client, sink
@@ -239,21 +243,25 @@ class _Conversation:
         return fig
 
 
-async def _drain(sink) -> None:
+async def _drain(sink: AudioSink) -> None:
     drain = getattr(sink, "drain", None)
     if drain is not None:
         await drain()
 
 
-async def _mic(c, talk: _Conversation) -> None:
+async def _mic(c: DuplexClient, talk: _Conversation) -> None:
     """The microphone until Ctrl-C (16 kHz mono, 20 ms blocks)."""
     import sounddevice as sd
 
     loop = asyncio.get_running_loop()
-    blocks: asyncio.Queue = asyncio.Queue(maxsize=100)
+    blocks: asyncio.Queue[np.ndarray] = asyncio.Queue(maxsize=100)
 
-    def on_block(indata, frames, t, status) -> None:
-        loop.call_soon_threadsafe(lambda b=indata[:, 0].copy(): blocks.full() or blocks.put_nowait(b))
+    def put(block: np.ndarray) -> None:  # on the loop
+        if not blocks.full():  # 2 s queued already (the sender is behind): this block is dropped
+            blocks.put_nowait(block)
+
+    def on_block(indata: np.ndarray, frames: int, t: object, status: object) -> None:  # on PortAudio's thread
+        loop.call_soon_threadsafe(put, indata[:, 0].copy())
 
     print("listening: talk (Ctrl-C ends)", flush=True)
     with sd.InputStream(samplerate=16_000, channels=1, dtype="int16", blocksize=320, callback=on_block):
@@ -278,7 +286,7 @@ class DeviceSink:
         self._stream = sd.OutputStream(samplerate=rate_hz, channels=1, dtype="int16", callback=self._pull)
         self._stream.start()
 
-    def _pull(self, outdata, frames, t, status) -> None:
+    def _pull(self, outdata: np.ndarray, frames: int, t: object, status: object) -> None:
         out = outdata[:, 0]
         out[:] = 0
         n = 0

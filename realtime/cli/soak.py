@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     from realtime.soak.run import __doc__ as doc
     from realtime.soak.run import add_arguments
 

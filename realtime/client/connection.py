@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
@@ -51,6 +52,9 @@ from realtime.client.events import (
     Unauthorized,
 )
 from realtime.client.playback import WIRE_RATE_HZ, AudioSink, Player
+
+if TYPE_CHECKING:
+    import opuslib
 
 log = logging.getLogger("duplex.client")
 
@@ -186,7 +190,7 @@ class DuplexClient:
         self._in_pending = np.zeros(0, np.int16)
         self._opus_encoder = OutputEncoder(WireFormat.OPUS) if input_format == "opus" else None
         self._out_resampler: StreamResampler | None = None
-        self._opus_decoder = None
+        self._opus_decoder: opuslib.Decoder | None = None  # made on the first Opus packet
         self._opus_rate = output_rate_hz if output_rate_hz in _OPUS_RATES_HZ else 48_000
 
     # ---- lifecycle ----
@@ -194,7 +198,7 @@ class DuplexClient:
         await self.connect()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def connect(self) -> None:
@@ -213,7 +217,7 @@ class DuplexClient:
         self.resume_grace_s = float(created.get("resume_grace_s") or 0.0)
         self._emit(SessionCreated(self.session_id, self.session))
         self._set_state(ConnState.OPEN)
-        self._tasks = [asyncio.create_task(self._connection()), asyncio.create_task(self._sender())]
+        self._tasks = [asyncio.create_task(self._connection(ws)), asyncio.create_task(self._sender())]
         if self.output_format == "opus":
             try:
                 await self.update_session(session={"audio": {"output": {"format": {"type": "audio/opus"}}}})
@@ -276,9 +280,10 @@ class DuplexClient:
         frames. Waits while more than `max_buffered_audio_ms` is queued on an open connection."""
         self._check_open()
         pcm = _as_int16(pcm)
-        if self._in_rate != rate_hz:
+        if self._in_rate != rate_hz or self._in_resampler is None:  # (both None before the first audio)
             wire_rate = _OPUS_ENCODE_RATE_HZ if self._opus_encoder else WIRE_RATE_HZ
-            self._in_rate, self._in_resampler = rate_hz, StreamResampler(rate_hz, wire_rate)
+            self._in_rate = rate_hz
+            self._in_resampler = StreamResampler(rate_hz, wire_rate)
         pcm = self._in_resampler.process(pcm)
         if self._opus_encoder is not None:
             for packet in self._opus_encoder.encode(pcm):
@@ -409,15 +414,15 @@ class DuplexClient:
             raise ConnectError("connect_failed", f"expected {want}, got {first.get('type')!r}")
         return ws, first
 
-    async def _connection(self) -> None:
-        """Receive until the session ends; on a lost connection, reconnect and resume."""
+    async def _connection(self, ws: ClientConnection) -> None:
+        """Receive on `ws` until the session ends; on a lost connection, reconnect and resume."""
         end: BaseException | object = _END
         try:
             while True:
-                lost = await self._receive(self._ws)
+                lost = await self._receive(ws)
                 if lost is None:
                     break
-                self._ws = await self._resume(lost)
+                ws = self._ws = await self._resume(lost)
         except DuplexError as e:
             end = e
         except asyncio.CancelledError:
@@ -539,6 +544,9 @@ class DuplexClient:
         while True:
             await self._connected.wait()
             ws = self._ws
+            assert ws is not None  # _connected is set only once connect() has opened one
+            payload: str | bytes
+            item: _Outgoing | None
             if self._ack is not None:
                 payload, item = json.dumps(self._ack), None
             elif self._outbox:

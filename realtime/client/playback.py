@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -39,7 +40,7 @@ class SimulatedSpeaker:
     """A speaker without a device: it plays in real time on the monotonic clock (restarting after an
     underrun, as a device does) and keeps what was heard: `heard()`. For files, tests and `duplex client`."""
 
-    def __init__(self, rate_hz: int = WIRE_RATE_HZ, clock=time.monotonic) -> None:
+    def __init__(self, rate_hz: int = WIRE_RATE_HZ, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate_hz = rate_hz
         self._clock = clock
         self._parts: list[np.ndarray] = []

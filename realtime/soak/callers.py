@@ -112,11 +112,11 @@ class Caller(ABC):
             self._speech_end, self._speaking_until = now, None
             self._next_turn_at = now + self.script.answer_wait_s  # unless an answer comes and ends first
         if not speaking and not self._stop:
-            answering = a is not None and a.status is None
-            if not answering and now >= self._next_turn_at:
+            answering = a if a is not None and a.status is None else None  # the answer playing now
+            if answering is None and now >= self._next_turn_at:
                 self._say()
-            elif answering and self._barge_plan is not None and a.playout.played_ms(now) >= self._barge_plan:
-                a.barge_in_at = now
+            elif answering is not None and self._barge_plan is not None and answering.playout.played_ms(now) >= self._barge_plan:
+                answering.barge_in_at = now
                 self._barge_plan = None
                 self._say()
         if self._mic:
@@ -142,12 +142,13 @@ class Caller(ABC):
         return self._rendered[i]
 
     # ---- server events, shared ---------------------------------------------------------------------
-    def on_response_created(self, response_id: str, now: float) -> None:
+    def on_response_created(self, response_id: str, now: float) -> Answer:
         self._answer = Answer(response_id, now, Playout(self._speech_end if self._speaking_until is None else None,
                                                         jitter_ms=self.script.jitter_ms))
         self.record.answers.append(self._answer)
         lo, hi = self.script.barge_after_ms
         self._barge_plan = self.rng.uniform(lo, hi) if self.rng.random() < self.script.barge_in else None
+        return self._answer
 
     def on_audio(self, response_id: str | None, duration_ms: float, now: float) -> None:
         a = self._answer
@@ -285,8 +286,8 @@ class WebSocketCaller(Caller):
             await asyncio.sleep(0.3)  # the last frames reach the server before we hang up
         finally:
             tx.cancel()
-        if rx.done() and rx.exception():
-            raise rx.exception()
+        if rx.done() and (err := rx.exception()) is not None:
+            raise err
         rx.cancel()
 
     async def _send_loop(self) -> None:
@@ -307,9 +308,9 @@ class WebSocketCaller(Caller):
                 await self.ws.send(json.dumps({"type": "input_audio_buffer.append",
                                                "audio": base64.b64encode(frame.astype("<i2").tobytes()).decode()}))
             self.sent_frame()  # counted once on the wire (a cancel mid-send does not count)
-            if (played := self.ack_due(now)) is not None:
+            if (a := self._answer) is not None and (played := self.ack_due(now)) is not None:
                 await self.ws.send(json.dumps({"type": "output_audio_buffer.played", "played_ms": round(played, 1),
-                                               "response_id": self._answer.response_id}))
+                                               "response_id": a.response_id}))
 
     async def _receive(self) -> None:
         import websockets
@@ -324,8 +325,11 @@ class WebSocketCaller(Caller):
                     continue
                 self._event(json.loads(m), now)
         except websockets.ConnectionClosed as e:
-            if self.record.shed or (e.rcvd is not None and e.rcvd.code == 1013):
-                self.on_shed(self.record.shed or f"closed 1013: {e.rcvd.reason}")
+            if self.record.shed:
+                self.on_shed(self.record.shed)
+                return
+            if e.rcvd is not None and e.rcvd.code == 1013:
+                self.on_shed(f"closed 1013: {e.rcvd.reason}")
                 return
             if not self._stop:
                 self.record.closed_by_server = f"{e.rcvd.code if e.rcvd else None} {e.rcvd.reason if e.rcvd else ''}"
@@ -383,9 +387,10 @@ class WebRtcCaller(Caller):
 
             def __init__(self) -> None:
                 super().__init__()
-                self.t0, self.n = None, 0
+                self.t0: float | None = None
+                self.n = 0
 
-            async def recv(self):
+            async def recv(self) -> AudioFrame:
                 if self.n:
                     # aiortc's sender asks for a frame only once it has encoded and sent the one
                     # before: count that one now. Counting a frame when it is handed over counted
@@ -523,8 +528,8 @@ class TwilioCaller(Caller):
             await asyncio.sleep(0.3)
         finally:
             tx.cancel()
-        if rx.done() and rx.exception():
-            raise rx.exception()
+        if rx.done() and (err := rx.exception()) is not None:
+            raise err
         if self.record.shed:
             return  # the server closed the stream
         await self._send({"event": "stop", "stop": {"accountSid": "AC" + "0" * 32, "callSid": "CA" + f"{self.index:032x}"}})
@@ -573,12 +578,12 @@ class TwilioCaller(Caller):
                     rid = name.rsplit(":", 1)[0]
                     a = self._answer
                     if a is None or a.response_id != rid:
-                        self.on_response_created(rid, self._pending[0][0] if self._pending else now)
+                        a = self.on_response_created(rid, self._pending[0][0] if self._pending else now)
                         self._marks.clear()
                     for t, ms in self._pending:
                         self.on_audio(rid, ms, t)
                     self._pending.clear()
-                    self._marks.append((name, self._answer.playout.received_ms))
+                    self._marks.append((name, a.playout.received_ms))
                 elif kind == "clear":
                     self._pending.clear()
                     self._marks.clear()

@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,17 +26,21 @@ from realtime.soak.floods import run_floods
 from realtime.soak.server_process import ServerProcess, health, process_sample, process_tree, read_metrics
 from realtime.soak.speech import speech_sentences
 
+if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
+
+FAULT_MAX_MESSAGE_BYTES = 262144  # limits.max_message_bytes of the server below: one byte more is oversize
 FAULT_SERVER_CONFIG = {
     "vad": {"silence_duration_ms": 500},
     "session": {"max_response_ms": 4000.0},
     # the capacity forced, so the overload control (slow start, degradation) is off: these runs are about the faults
-    "limits": {"open_timeout_s": 3.0, "max_message_bytes": 262144, "outbound_queue": 64,
+    "limits": {"open_timeout_s": 3.0, "max_message_bytes": FAULT_MAX_MESSAGE_BYTES, "outbound_queue": 64,
                "overload": {"slow_start": False, "degrade": False}},
     "engine": {"capacity_override": 8},
 }
 
 
-async def _ws(base: str, token: str):
+async def _ws(base: str, token: str) -> ClientConnection:
     import websockets
 
     ws = await websockets.connect(base.replace("http", "ws", 1) + "/v1/realtime?duplex=1", additional_headers={"Authorization": f"Bearer {token}"},
@@ -83,7 +88,7 @@ async def slow_reader(base: str, token: str, speech: np.ndarray) -> dict:
     ws = await _ws(base, token)
     await _speak(ws, speech)
     await asyncio.sleep(8.0)  # no recv(): the client library's queue fills, then it stops reading the socket
-    got_done = False
+    got_done: bool | str = False  # True, or why not
     try:
         await _until_event(ws, "response.done", 20)
         got_done = True
@@ -134,8 +139,8 @@ async def oversize_and_garbage(base: str, token: str, speech: np.ndarray) -> dic
         errors.append((await _until_event(ws, "error", 10))["error"]["code"])
     await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
     await _until_event(ws, "input_audio_buffer.cleared", 10)  # still serving
-    await ws.send("x" * (FAULT_SERVER_CONFIG["limits"]["max_message_bytes"] + 1))
-    code = None
+    await ws.send("x" * (FAULT_MAX_MESSAGE_BYTES + 1))
+    code: int | str | None = None  # the close code, or what happened instead
     try:
         while True:
             await asyncio.wait_for(ws.recv(), 30)

@@ -23,8 +23,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
 
 FLOODS = ("empty_opus", "dtx_opus", "big_appends", "event_flood", "twilio_before_start", "vanish_idle")
 GAP_LIMIT_MS = 100.0
@@ -34,7 +38,7 @@ RTT_P99_LIMIT_MS = 50.0
 # ---- the flood clients (run in a child process) ---------------------------------------------------------
 
 
-async def _connect(base: str, token: str, path: str = "/v1/realtime", auth: bool = True):
+async def _connect(base: str, token: str, path: str = "/v1/realtime", auth: bool = True) -> ClientConnection:
     import websockets
 
     headers = {"Authorization": f"Bearer {token}"} if auth else {}

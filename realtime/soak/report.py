@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from realtime.soak.callers import CallerRecord
+from realtime.soak.config import SoakConfig
 
 
 def _pct(values: list[float]) -> dict | None:
@@ -23,12 +24,15 @@ def _pct(values: list[float]) -> dict | None:
 
 def summarize(records: list[CallerRecord]) -> dict:
     answers = [a for r in records for a in r.answers]
-    timed = [a for a in answers if a.playout.ttfa_ms is not None and a.playout.ttfa_ms >= 0]
+    # (ttfa, mouth-to-ear) of the answers timed from the caller's speech end (both known together)
+    timed = [(t, m) for a in answers
+             if (t := a.playout.ttfa_ms) is not None and t >= 0 and (m := a.playout.mouth_to_ear_ms) is not None]
     lateness = [x for a in answers for x in a.playout.lateness_ms]
     chunks = len(lateness)
     on_time = sum(1 for x in lateness if x <= 0)
     barged = [a for a in answers if a.barge_in_at is not None]
-    stop_ms = [1000.0 * (a.cleared_at - a.barge_in_at) for a in barged if a.cleared_at is not None and a.cleared_at >= a.barge_in_at]
+    stop_ms = [1000.0 * (cleared - barge) for a in barged
+               if (barge := a.barge_in_at) is not None and (cleared := a.cleared_at) is not None and cleared >= barge]
     return {
         "sessions": len(records),
         "admitted": sum(1 for r in records if r.refused is None),
@@ -42,8 +46,8 @@ def summarize(records: list[CallerRecord]) -> dict:
         "cancelled": sum(1 for a in answers if a.status == "cancelled"),
         "failed": sum(1 for a in answers if a.status == "failed"),
         "barge_ins": len(barged),
-        "ttfa_ms": _pct([a.playout.ttfa_ms for a in timed]),
-        "mouth_to_ear_ms": _pct([a.playout.mouth_to_ear_ms for a in timed]),
+        "ttfa_ms": _pct([t for t, _ in timed]),
+        "mouth_to_ear_ms": _pct([m for _, m in timed]),
         "server_ttfa_ms": _pct([a.server_ttfa_ms for a in answers if a.server_ttfa_ms is not None]),
         "barge_in_to_cleared_ms": _pct(stop_ms),
         "chunks": chunks,
@@ -127,7 +131,7 @@ def memory_growth(timeline: list[dict], baseline_s: float = 300.0) -> dict | Non
             "engine_growth": round(e["engine_mib"] / b["engine_mib"] - 1, 4) if b["engine_mib"] > 0 else None}
 
 
-def write_report(cfg, records: list[CallerRecord], before: dict, after: dict, timeline: list[dict], t0: float,
+def write_report(cfg: SoakConfig, records: list[CallerRecord], before: dict, after: dict, timeline: list[dict], t0: float,
                  final_health: dict, server_exit: int | None, server_log: Path | None,
                  frames_by_server: dict[str, dict] | None = None) -> Path:
     by_transport = {}

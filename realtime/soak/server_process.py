@@ -31,23 +31,27 @@ class ServerProcess:
             args.append(f"--replica-id={replica_id}")
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log_path = self.dir / "server.log"
-        self.base: str | None = None
+        stdout = self.proc.stdout
+        assert stdout is not None  # stdout=PIPE
+        base: str | None = None
         ready = threading.Event()
 
         def pump() -> None:
+            nonlocal base
             with open(self.log_path, "w") as log:
-                for line in self.proc.stdout:
+                for line in stdout:
                     log.write(line)
                     log.flush()
-                    if "demo page:" in line and self.base is None:
-                        self.base = line.split("demo page:")[1].strip().split("/?")[0]
+                    if "demo page:" in line and base is None:
+                        base = line.split("demo page:")[1].strip().split("/?")[0]
                         ready.set()
             ready.set()
 
         threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(300) or self.base is None:
+        if not ready.wait(300) or base is None:
             self.stop()
             raise RuntimeError(f"duplex serve did not start (log: {self.log_path}):\n{self.log_tail()}")
+        self.base: str = base  # http://host:port, from the server's "demo page:" line
 
     def log_tail(self, lines: int = 40) -> str:
         return "".join(self.log_path.read_text().splitlines(keepends=True)[-lines:])
@@ -83,14 +87,15 @@ class ServerProcess:
 def process_tree(pid: int) -> list[int]:
     """pid and its descendants (the gateway and vLLM's engine-core process)."""
     children: dict[int, list[int]] = {}
-    for p in os.listdir("/proc"):
-        if p.isdigit():
+    for name in os.listdir("/proc"):
+        if name.isdigit():
             try:
-                ppid = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                ppid = int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-            children.setdefault(ppid, []).append(int(p))
-    out, todo = [], [pid]
+            children.setdefault(ppid, []).append(int(name))
+    out: list[int] = []
+    todo = [pid]
     while todo:
         p = todo.pop()
         out.append(p)

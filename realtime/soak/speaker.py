@@ -26,7 +26,7 @@ class Playout:
     underruns: int = 0
 
     def on_audio(self, t: float, duration_ms: float) -> None:
-        if self.first_arrival is None:
+        if self.start is None:  # the first chunk: set together with first_arrival
             self.first_arrival = t
             self.start = t + self.jitter_ms / 1000.0
         due = self.start + (self.received_ms + self.shift_ms) / 1000.0

@@ -25,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from http import HTTPStatus
+from typing import TypeVar
 
 import numpy as np
 
@@ -42,6 +43,8 @@ from realtime.time_stretch import MAX_SPEED, MIN_SPEED
 from realtime.transports.context import TransportContext
 
 log = logging.getLogger("duplex.audio_api")
+
+T = TypeVar("T")
 
 NAME = "audio_api"
 TRANSCRIPTIONS_PATH = "/v1/audio/transcriptions"
@@ -84,7 +87,7 @@ def register(ctx: TransportContext) -> AudioApi | None:
     return api
 
 
-_REFUSAL_OUTCOMES = {HTTPStatus.UNAUTHORIZED: "unauthorized", HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "too_large"}
+_REFUSAL_OUTCOMES: dict[int, str] = {HTTPStatus.UNAUTHORIZED: "unauthorized", HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "too_large"}
 
 
 class _Slot:
@@ -158,7 +161,7 @@ class AudioApi:
             slot.release(outcome)
 
     async def _transcript_events(self, slot: _Slot, deltas: AsyncIterator[str], first: str | None,
-                                 audio: DecodedAudio) -> AsyncIterator[bytes]:
+                                 audio: DecodedAudio) -> AsyncGenerator[bytes, None]:
         """SSE as OpenAI's transcription stream: transcript.text.delta events, then transcript.text.done;
         an engine failure midway is an `error` event, then the end."""
         outcome = "client_gone"
@@ -210,7 +213,7 @@ class AudioApi:
         return HttpStream(HTTPStatus.OK, body, encoder.content_type, stall_timeout_s=self.cfg.send_timeout_s)
 
     async def _speech_body(self, slot: _Slot, chunks: AsyncIterator[AudioChunk], first: AudioChunk | None,
-                           encoder: SpeechEncoder) -> AsyncIterator[bytes]:
+                           encoder: SpeechEncoder) -> AsyncGenerator[bytes, None]:
         """The encoded audio as the engine decodes it; an engine failure midway raises (the reply is
         closed without its last chunk: audio has no way to say why)."""
         outcome, samples = "client_gone", 0
@@ -382,11 +385,11 @@ def _voice(req: dict, voices: dict) -> np.ndarray | None:
 
 # ---- the engine ----
 
-async def _start(call, retry_after_s: float) -> tuple[AsyncIterator, object]:
+async def _start(call: Callable[[], AsyncIterator[T]], retry_after_s: float) -> tuple[AsyncIterator[T], T | None]:
     """The engine's iterator (`call()`) and its first item (None when it has none). The engine may
     refuse at the call or at the first item: its refusals become ApiErrors, and the iterator is
     closed on any failure (the engine cancels)."""
-    it = None
+    it: AsyncIterator[T] | None = None
     try:
         it = call()
         try:
@@ -421,7 +424,7 @@ async def _aclose(it: AsyncIterator) -> None:
         await close()
 
 
-async def _in_thread(fn, *args):
+async def _in_thread(fn: Callable[..., T], *args: object) -> T:
     """`fn(*args)` in a worker thread; when cancelled, wait for the thread before going on, so the
     caller's cleanup never races it (the encoder is not thread-safe)."""
     work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
@@ -440,7 +443,7 @@ def _transcript_reply(text: str, audio: DecodedAudio, fmt: str) -> HttpReply:
         return HttpReply(HTTPStatus.OK, text + "\n", "text/plain; charset=utf-8")
     if fmt == "verbose_json":
         # no timestamps from the engine: no segments; no language detection: language null
-        body = {"task": "transcribe", "language": None, "duration": round(audio.duration_s, 3), "text": text,
+        body: dict[str, object] = {"task": "transcribe", "language": None, "duration": round(audio.duration_s, 3), "text": text,
                 "segments": [], "usage": usage}
     else:
         body = {"text": text, "usage": usage}
