@@ -194,7 +194,9 @@ async def serve_and_measure(args, noise: str = "off") -> dict:
     from realtime.config import config_from_dict
     from realtime.server import Gateway
 
+    # every session connects at once by design: slow start (which admits a burst a few at a time) is off
     gw = Gateway(FixedEngine(), config_from_dict({"server": {"port": 0, "token": "t"},
+                                                 "limits": {"overload": {"slow_start": False}},
                                                  "session": {"noise_reduction": None if noise == "off" else noise}}))
     await gw.start()
     ctx = mp.get_context("spawn")
