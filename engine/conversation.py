@@ -109,7 +109,8 @@ class Conversation:
         self._resalts = 0
         pipeline.check_text_options(options)
         self._speaker: asyncio.Future[np.ndarray] | None = self._tokenize_speaker(options.speaker_prompt_pcm)
-        self._system_ids: tuple[int, ...] = pipeline.system_ids(options.system_prompt)
+        self._system_text: tuple[str, tuple[int, ...]] = ("", ())  # the system text and its ids, before the cap
+        self._system_ids: tuple[int, ...] = self._tokenize_system(options.system_prompt)
 
     @property
     def responding(self) -> bool:
@@ -130,13 +131,22 @@ class Conversation:
             self._speaker = self._tokenize_speaker(new)
             # the prompt's prefix changed: a new salt keeps the old prefix's KV out of reach
             self._salt = self._pipeline.new_salt(self.id)
-        system = self._pipeline.system_ids(options.system_prompt)
+        system = self._tokenize_system(options.system_prompt)
         if system != self._system_ids:
             self._system_ids = system
             self._salt = self._pipeline.new_salt(self.id)
         self._requested = options
         self._options = self._degradation.apply(options)
         self._sampling = _sampling_config(options)
+
+    def _tokenize_system(self, text: str | None) -> tuple[int, ...]:
+        """The system text's ids (capped); a text that extends the last one tokenizes only what it adds."""
+        if text == self._system_text[0]:
+            ids = self._system_text[1]
+        else:
+            ids = self._pipeline.tokenize_system(text, self._system_text)
+            self._system_text = (text or "", ids)
+        return self._pipeline.capped_system_ids(ids)
 
     def degrade(self, degradation: Degradation) -> None:
         """Overload: the next answers run with `degradation.apply(options)` (no CFG shadow, a shorter cap)."""

@@ -13,6 +13,7 @@ hold no conversation slot: how many may run at once is the gateway's bound (`aud
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
@@ -24,8 +25,9 @@ from engine.delay import FLUSH_STEPS
 from engine.layout import DEFAULT_LAYOUT, PromptLayout
 from engine.request import AudioRequest
 from engine.sampling import SamplingConfig
-from engine.service_api import FRAME_MS, AtCapacity, AudioChunk, EngineError, SpeechOptions, TranscriptionOptions
+from engine.service_api import FRAME_MS, AtCapacity, AudioChunk, EngineError, SpeechOptions, TextTooLong, TranscriptionOptions
 from engine.text import TextTokenizer
+from engine.text_budget import END_MARGIN
 
 
 class OneShotHost(Protocol):
@@ -52,7 +54,6 @@ PickRank = Callable[[], int]  # the engine rank with the most headroom now (data
 
 
 _ids = itertools.count()
-_END_MARGIN = 4  # positions kept free below max_model_len (as dialogue.ANSWER_MARGIN_ROWS)
 
 
 def _check_ready(engine: OneShotHost) -> None:
@@ -67,7 +68,7 @@ def _sampling(options: TranscriptionOptions | SpeechOptions) -> SamplingConfig:
 def asr_request(frames: np.ndarray, options: TranscriptionOptions, max_model_len: int) -> AudioRequest:
     """The ASR request for a clip's frames: text only, at least one token, capped by the context."""
     prompt = tasks.asr_prompt(frames)
-    room = max_model_len - len(prompt.rows) - _END_MARGIN
+    room = max_model_len - len(prompt.rows) - END_MARGIN
     if room < 2:
         raise EngineError(f"the audio is too long for the model's context ({len(prompt.rows)} positions of {max_model_len})")
     return AudioRequest(prompt=prompt.rows, max_frames=0, start_modality=prompt.start_modality,
@@ -79,9 +80,9 @@ def tts_request(text_ids: list[int], speaker_frames: np.ndarray | None, options:
                 max_model_len: int, layout: PromptLayout = DEFAULT_LAYOUT) -> AudioRequest:
     """The TTS request for text (global ids) and an optional voice's frames, laid out as `layout` says."""
     prompt = tasks.tts_prompt(text_ids, speaker_frames, layout)
-    room = max_model_len - len(prompt.rows) - FLUSH_STEPS - _END_MARGIN
+    room = max_model_len - len(prompt.rows) - FLUSH_STEPS - END_MARGIN
     if room < 1:
-        raise EngineError(f"the text is too long for the model's context ({len(prompt.rows)} positions of {max_model_len})")
+        raise TextTooLong(f"the text is too long for the model's context ({len(prompt.rows)} positions of {max_model_len})")
     return AudioRequest(prompt=prompt.rows, max_frames=min(max(1, int(options.max_ms / FRAME_MS)), room), min_frames=1,
                         sampling=_sampling(options))
 
@@ -106,7 +107,7 @@ async def synthesize(engine: OneShotHost, pick_rank: PickRank, text: str, option
     speaker = None
     if options.speaker_prompt_pcm is not None and len(options.speaker_prompt_pcm):
         speaker = await engine.tokenize_clip(np.asarray(options.speaker_prompt_pcm))
-    request = tts_request([int(i) for i in tokenizer.encode(text)], speaker, options, engine.max_model_len,
-                          engine.prompt_layout)
+    ids = await asyncio.to_thread(tokenizer.encode, text)  # (it releases the GIL: engine/text.py)
+    request = tts_request([int(i) for i in ids], speaker, options, engine.max_model_len, engine.prompt_layout)
     async for chunk in engine.stream_audio(request, f"tts-{next(_ids)}", pick_rank()):
         yield chunk

@@ -33,6 +33,7 @@ from engine.service_api import (
     EngineHealth,
     EngineLoad,
     SpeechOptions,
+    TextBudget,
     TranscriptionOptions,
 )
 from engine.service_config import EngineServiceConfig, engine_cpu_threads
@@ -145,6 +146,12 @@ class Engine:
 
     def synthesize(self, text: str, options: SpeechOptions | None = None) -> AsyncIterator[AudioChunk]:
         return oneshot.synthesize(self.pipeline, self._slots.pick_rank, text, options or SpeechOptions())
+
+    def text_budget(self) -> TextBudget:
+        return self.pipeline.text_budget()
+
+    def count_text_tokens(self, text: str) -> int:
+        return self.pipeline.count_text_tokens(text)
 
     # --- admission control's measurements -------------------------------------------------------
 

@@ -26,6 +26,7 @@ engine; realtime answers keep priority in its scheduler:
 
     async for delta in engine.transcribe(pcm_16k, TranscriptionOptions()): ...   # ASR: text deltas
     async for chunk in engine.synthesize("Hello.", SpeechOptions()): ...         # TTS: AudioChunks
+    engine.count_text_tokens(text) <= engine.text_budget().speech_tokens         # text fits (checked up front)
 """
 
 from __future__ import annotations
@@ -69,6 +70,26 @@ class ConversationTooLong(EngineError):
     leaves room for less than a second of answer. The response fails; the conversation goes on."""
 
     code = "conversation_too_long"
+
+
+class TextTooLong(EngineError):
+    """Text longer, in the model's tokens, than its context can hold for that use (`TextBudget`). The
+    gateway refuses such text up front (`EngineLike.count_text_tokens`); the engine refuses it too."""
+
+    code = "context_length_exceeded"  # OpenAI's code for a prompt beyond the model's context
+
+
+@dataclass(frozen=True)
+class TextBudget:
+    """The most tokens of the model's text each use of text may hold: what the model's context
+    (`context` positions) leaves it beside everything else the prompt must hold (`EngineLike.text_budget`).
+    Text is measured with `EngineLike.count_text_tokens`."""
+
+    context: int  # the model's positions
+    system_tokens: int  # an answer's system text (instructions and system messages): the engine keeps at most this
+    user_text_tokens: int  # one typed user turn, beside the longest speaker prompt and system text and a 1 s answer
+    speech_tokens: int  # the text of one synthesize() in the model's own voice (its prompt fits the context)
+    speech_tokens_with_voice: int  # ... with a speaker prompt (SpeechOptions.speaker_prompt_pcm)
 
 
 # Context management (engine.dialogue.fit_context): when the next prompt and the longest answer would
@@ -344,6 +365,16 @@ class EngineLike(Protocol):
 
     def synthesize(self, text: str, options: SpeechOptions | None = None) -> AsyncIterator[AudioChunk]:
         """`text` spoken: AudioChunks (16 kHz int16) in order as they are decoded, the last with
-        `is_last`. Raises as `transcribe`; ValueError for empty text. Closing early cancels it."""
+        `is_last`. Raises as `transcribe`; ValueError for empty text; `TextTooLong` for text beyond
+        `text_budget()`'s speech tokens. Closing early cancels it."""
+
+    def text_budget(self) -> TextBudget:
+        """How many tokens of text each use may hold (fixed once the engine runs). Raises NoTextModel
+        without a text tokenizer."""
+
+    def count_text_tokens(self, text: str) -> int:
+        """`text`'s length in the model's tokens, as the engine reads it. Its cost grows with the text
+        (about 0.3 ms a KB) and it releases the GIL: long text is counted off the event loop. Raises
+        NoTextModel without a text tokenizer."""
 
     async def shutdown(self) -> None: ...

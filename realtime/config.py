@@ -22,6 +22,7 @@ from engine.service_api import DEFAULT_RETENTION_RATIO, ConversationOptions
 from engine.service_config import EngineServiceConfig
 from realtime.input_budget import InputLimits
 from realtime.noise_suppression import NOISE_REDUCTION_TYPES
+from realtime.text_limits import TextLimits
 from realtime.vad import VadParams
 
 
@@ -91,6 +92,7 @@ class LimitsSection:
     resume_buffer_bytes: int = 1 << 20  # sent messages kept per session for replay on resume (newest first)
     input: InputLimits = InputLimits()  # what one client may send per second (a nested section: limits.input.audio_rate ...)
     overload: OverloadLimits = OverloadLimits()  # slow start of admissions, degradation of admitted calls (realtime/overload.py)
+    text: TextLimits = TextLimits()  # what text one session may make the server hold (realtime/text_limits.py: limits.text.max_items ...)
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,10 @@ class AudioApiSection:
     # Decoded audio of one upload; longer: 400 audio_too_long, found while decoding (decoding stops
     # there). The real OpusLM checkpoints hold 8192 positions (164 s of audio, prompt included).
     max_duration_s: float = 120.0
+    # Memory one upload's decoding may hold (MiB: its PCM so far and the frame in hand); beyond: 400
+    # audio_too_complex. None: 4x the 16 kHz mono PCM of max_duration_s (15 MB at 120 s).
+    max_decode_mb: float | None = None
+    decode_timeout_s: float = 10.0  # wall clock of one upload's decoding (a 120 s MP3 takes ~0.3 s); beyond: 400 decode_timeout
     max_input_chars: int = 4096  # speech `input` (OpenAI's limit); longer: 400
     max_speech_s: float = 30.0  # audio of one speech reply (the engine's SpeechOptions.max_ms): the reply ends there
     max_concurrent: int = 4  # one-shot requests running at once (both endpoints), so they cannot starve the sessions; beyond: 429
@@ -335,6 +341,10 @@ def validate(cfg: ServerConfig) -> None:
         ("audio_api.max_upload_mb", 0 < cfg.audio_api.max_upload_mb <= 1024),
         ("audio_api.upload_timeout_s", cfg.audio_api.upload_timeout_s > 0),
         ("audio_api.max_duration_s", 0 < cfg.audio_api.max_duration_s <= 3600),
+        # room for the PCM of the longest upload accepted (16 kHz mono int16), or every long one is refused
+        ("audio_api.max_decode_mb", cfg.audio_api.max_decode_mb is None
+         or cfg.audio_api.max_decode_mb * 2**20 >= cfg.audio_api.max_duration_s * 32000 + 2**20),
+        ("audio_api.decode_timeout_s", cfg.audio_api.decode_timeout_s > 0),
         ("audio_api.max_input_chars", cfg.audio_api.max_input_chars >= 1),
         ("audio_api.max_speech_s", 0 < cfg.audio_api.max_speech_s <= 600),
         ("audio_api.max_concurrent", cfg.audio_api.max_concurrent >= 1),
@@ -354,7 +364,8 @@ def validate(cfg: ServerConfig) -> None:
                          "and '-', not starting or ending with '-'): it goes into URLs and load balancer backend names")
     for name, why in cfg.session.problems():
         raise ValueError(f"config key 'session.{name}': value out of range ({why})")
-    for key, params in (("vad", cfg.vad), ("telephony.vad", cfg.telephony.vad), ("limits.input", cfg.limits.input)):
+    for key, params in (("vad", cfg.vad), ("telephony.vad", cfg.telephony.vad), ("limits.input", cfg.limits.input),
+                        ("limits.text", cfg.limits.text)):
         for name, why in params.problems():  # the same rules as session.update's turn_detection
             raise ValueError(f"config key '{key}.{name}': value out of range ({why})")
     if not all(isinstance(h, str) and h for h in cfg.telephony.allowed_hosts):

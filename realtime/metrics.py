@@ -32,7 +32,7 @@ class GatewayMetrics:
         self.sessions_ended = Counter("duplex_sessions_ended", "Sessions ended, by transport and reason", ["transport", "reason"], registry=r)
         self.handshakes_incomplete = Counter("duplex_handshakes_incomplete", "Connections closed before a complete HTTP request (slow or dropped handshakes)", registry=r)
         self.frames_dropped = Counter("duplex_input_frames_dropped", "Client audio frames dropped by policy", ["transport", "reason"], registry=r)
-        self.input_rejected = Counter("duplex_input_rejected", "Client input beyond its session's budget (limits.input): audio frames or messages dropped", ["kind"], registry=r)
+        self.input_rejected = Counter("duplex_input_rejected", "Client input beyond its session's budget (limits.input): audio frames or messages dropped, items with audio refused (kind item_audio)", ["kind"], registry=r)
         self.speculative = Counter("duplex_speculative_responses", "Answers started at a pause in the user's speech, by outcome: confirmed (the turn ended; sent) or discarded (the user went on; never sent)", ["outcome"], registry=r)
         self.exchanges_dropped = Counter("duplex_context_exchanges_dropped", "Exchanges (a user turn and its answer) dropped from conversations to fit the model's context", registry=r)
         self.auth_failures = Counter("duplex_auth_failures", "Requests refused for a missing, malformed or wrong credential", ["endpoint"], registry=r)

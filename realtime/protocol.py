@@ -43,6 +43,7 @@ from realtime.vad import VadParams
 from realtime.conversation_items import ConversationItems, Item, parse_new_item
 from realtime.response_request import parse_response_request
 from realtime.session_update import TOKEN_MS, echo_turn_detection, parse_session_update
+from realtime.text_limits import TextLimits, TokenMeter, check_string, context_exceeded, over_total
 from realtime.tracing_config import TracingConfig
 from realtime.wire_fields import ClientError, Notice, get_field as _get, number as _number
 
@@ -117,13 +118,16 @@ _MAX_MS = 24 * 3600 * 1000.0  # a day of audio: beyond any answer's or turn's le
 class RealtimeProtocol:
     def __init__(self, session: Session, limits: ProtocolLimits | None = None, settings: SessionSettings | None = None,
                  opus: OpusOutput | None = None, resume: ResumeOffer | None = None, audio_out_of_band: bool = False,
-                 extensions: bool = False, text_model: bool = False) -> None:
+                 extensions: bool = False, text_model: bool = False, text_limits: TextLimits | None = None,
+                 tokens: TokenMeter | None = None) -> None:
         """`audio_out_of_band`: the answer's audio does not travel in events (WebRTC: the transport plays it
         on its media track); each answer's audio is bracketed by output_audio_buffer.started/stopped.
         `extensions`: the client opted in to our additions from the start (`?duplex=1`); else a
         `duplex` field in session.update opts in. Until then it sees only Realtime API events and fields.
         `text_model`: the engine's model reads and writes text (EngineLike.supports_text): input transcription,
-        text-only answers and typed user turns are honoured; without it they are refused by name."""
+        text-only answers and typed user turns are honoured; without it they are refused by name.
+        `text_limits`: what text the client may make the session hold (config `limits.text`); `tokens`: the
+        model's token counts and budget, so that text the model cannot read is refused (None: not checked)."""
         self.extensions = extensions
         self.text_model = text_model
         self._text_answers: set[str] = set()  # responses answering in text only (output_text events)
@@ -150,6 +154,8 @@ class RealtimeProtocol:
         self._encoder = self._make_encoder()
         self._audio_started = False  # output audio was sent: the voice is now fixed
         self._items = ConversationItems()  # for conversation.item.retrieve / delete
+        self.text_limits = text_limits or TextLimits()
+        self.tokens = tokens
         self._pending_items: dict[str, Item] = {}  # user audio items waiting for the session to take them
         self._last_item_id: str | None = None
         self._initial_config: dict | None = None
@@ -306,6 +312,8 @@ class RealtimeProtocol:
     def _on_response_create(self, ev: dict, now: float) -> None:
         req = parse_response_request(_get(ev, "response", dict), self._instructions(), self.settings.voice, self.settings.temperature,
                                      self.text_model)
+        if req.instructions is not None:
+            self._check_system_text(req.instructions, "response.instructions", now)
         own = req.output_modalities if req.output_modalities not in (None, self.settings.output_modalities) else None
         system = None if req.instructions is None else self._instructions(req.instructions)  # this answer's system text
         tokens = req.max_output_tokens if req.max_output_tokens != self.settings.max_output_tokens else None
@@ -316,12 +324,17 @@ class RealtimeProtocol:
 
     # ---- conversation items ----
     def _on_item_create(self, ev: dict, now: float) -> None:
-        new = parse_new_item(ev, self.settings.input_format, new_id, self.text_model)
+        limits = self.text_limits
+        if (held := len(self._items) + len(self._pending_items)) >= limits.max_items:
+            raise ClientError("conversation_limit_exceeded", f"the conversation holds {held} items, the most a session may "
+                                                             f"(limits.text.max_items); delete items first", "item")
+        new = parse_new_item(ev, self.settings.input_format, new_id, self.text_model, limits)
         if new.item.id in self._items or new.item.id in self._pending_items:
             raise ClientError("item_create_duplicate_item_id", f"an item with id {new.item.id!r} already exists", "item.id")
+        self._check_item_text(new.item, new.user_text, now)
         if new.user_turn:  # audio or typed text: the session adds it (or refuses it: a turn or answer in progress)
             self._pending_items[new.item.id] = new.item
-            self._inputs.append(AddUserItem(new.item.id, new.pcm, new.user_text, _event_id(ev)))
+            self._inputs.append(AddUserItem(new.item.id, new.audio, new.user_text, _event_id(ev)))
             return
         self._items.put(new.item)  # system messages, assistant text: kept here (the engine takes user turns only)
         if new.item.role == "system":
@@ -344,6 +357,47 @@ class RealtimeProtocol:
         if item.role == "system":
             self.settings_changed = True
         self._emit("conversation.item.deleted", item_id=item.id)
+
+    def _check_item_text(self, item: Item, user_text: str, now: float) -> None:
+        """A new item's text within the session's totals and, when the model reads it, the model's context
+        (a system message's token count is kept on the item: each is counted once)."""
+        limits = self.text_limits
+        total = self._items.text_bytes + sum(i.text_bytes for i in self._pending_items.values()) + item.text_bytes
+        if total > limits.max_conversation_text_bytes:
+            raise over_total("item", "the text of the conversation's items", total, limits.max_conversation_text_bytes,
+                             "max_conversation_text_bytes")
+        if item.role == "system" and item.text_bytes:
+            system = self._instructions_size()[0] + self._items.system_bytes + item.text_bytes + 1
+            if system > limits.max_system_text_bytes:
+                raise over_total("item", "the system text (instructions and system messages)", system,
+                                 limits.max_system_text_bytes, "max_system_text_bytes")
+            if self.tokens is not None:
+                item.system_tokens = self.tokens.tokens(item.text(), now, "item")
+                n = self._instructions_size()[1] + self._items.system_tokens + item.system_tokens + 1
+                if n > (limit := self.tokens.budget.system_tokens):
+                    raise context_exceeded("item", "the system text (instructions and system messages)", n, limit, self.tokens.budget)
+        if user_text and self.tokens is not None:
+            if (n := self.tokens.tokens(user_text, now, "item.content")) > (limit := self.tokens.budget.user_text_tokens):
+                raise context_exceeded("item.content", "the typed user turn", n, limit, self.tokens.budget)
+
+    def _check_system_text(self, instructions: str, param: str, now: float | None) -> None:
+        """Instructions (the session's, or one response's) within their bound and, with the system messages,
+        within the system text's bound and the model's share of its context for it. `now`: when the client
+        sent them (None: a config given with the connection, not taken from the tokenizing budget)."""
+        limits = self.text_limits
+        size = check_string(instructions, param, limits, "max_instructions_bytes")
+        if (system := size + self._items.system_bytes) > limits.max_system_text_bytes:
+            raise over_total(param, "the system text (instructions and system messages)", system, limits.max_system_text_bytes,
+                             "max_system_text_bytes")
+        if self.tokens is not None:
+            n = self.tokens.tokens(instructions, now, param) + self._items.system_tokens
+            if n > (limit := self.tokens.budget.system_tokens):
+                raise context_exceeded(param, "the system text (instructions and system messages)", n, limit, self.tokens.budget)
+
+    def _instructions_size(self) -> tuple[int, int]:
+        """The session's instructions in bytes and (with a token meter) tokens."""
+        text = self.settings.instructions
+        return len(text.encode("utf-8", "surrogatepass")), 0 if self.tokens is None else self.tokens.tokens(text)
 
     def _instructions(self, own: str | None = None) -> str:
         """The session's instructions (`own`: one answer's, in their place) with the system messages' text after them."""
@@ -370,7 +424,7 @@ class RealtimeProtocol:
 
     def _on_session_update(self, ev: dict, now: float) -> None:
         cfg = _get(ev, "session", dict, required=True)
-        refused, opted_in_now = self._apply_update(cfg, _event_id(ev))
+        refused, opted_in_now = self._apply_update(cfg, _event_id(ev), now)
         if refused:  # one error naming every refused field (bad input gets one error); the valid fields still apply
             self._error(_one_error(refused), _event_id(ev))
         # A client that opts in after session.created learns its resume token here.
@@ -389,8 +443,14 @@ class RealtimeProtocol:
         session.update when the session opens; session.created shows it, its refused fields follow as errors."""
         self._initial_config = cfg
 
-    def _apply_update(self, cfg: dict, event_id: str | None) -> tuple[list[ClientError], bool]:
+    def _apply_update(self, cfg: dict, event_id: str | None, now: float | None = None) -> tuple[list[ClientError], bool]:
         upd = parse_session_update(cfg, self.settings, self.turn_detection, self._audio_started, self.text_model)
+        if "instructions" in upd.changes:  # bounded before it is tokenized (or copied into the engine's options)
+            try:
+                self._check_system_text(upd.changes["instructions"], "session.instructions", now)
+            except ClientError as e:
+                del upd.changes["instructions"]
+                upd.refused.append(e)
         self._notices.extend(upd.notices)
         self.offered_tools |= bool(upd.changes.get("tools"))
         opted_in_now = upd.opted_in and not self.extensions

@@ -354,8 +354,8 @@ class SessionRunner:
     async def _reader(self, link: Link) -> None:
         try:
             async for message in link.messages():
-                while (rejection := self.budget.message(self.clock.now())) is not None:
-                    self.deps.metrics.input_rejected.labels("messages").inc()
+                while (rejection := self.budget.message(self.clock.now(), len(message))) is not None:
+                    self.deps.metrics.input_rejected.labels(rejection.what).inc()  # messages / bytes (of messages)
                     self.inbox.put_server(Throttled(rejection))
                     if self.budget.exhausted(self.clock.now()):
                         await asyncio.Event().wait()  # the session loop closes the session; this task is cancelled
@@ -602,6 +602,7 @@ class SessionRunner:
     def _client_input(self, receive: Callable[[], None], now: float) -> None:
         """Parse one client input and apply what it asks. A failure here is our bug, not the client's:
         the client gets an error event and the session goes on (the input is lost, nothing else)."""
+        items_refused = self.budget.rejected_items
         try:
             receive()
             dropped = apply_inputs(self.proto, self.session, now, self.budget)
@@ -612,6 +613,8 @@ class SessionRunner:
         if dropped:
             self.deps.metrics.input_rejected.labels("audio").inc(dropped)
             self.deps.metrics.frames_dropped.labels(self.transport, "input_rate").inc(dropped)
+        if items_refused != self.budget.rejected_items:  # conversation items whose audio the budget could not take
+            self.deps.metrics.input_rejected.labels("item_audio").inc(self.budget.rejected_items - items_refused)
         self._close_if_over_budget(now)
 
     def _close_if_over_budget(self, now: float) -> None:

@@ -13,6 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from realtime.input_budget import InputBudget, InputLimits, Rejection
+from realtime.item_audio import ItemAudio
 from realtime.session import RATE_HZ, Session, SessionError
 from realtime.vad import VadParams
 
@@ -48,7 +49,7 @@ class AddUserItem:
     """conversation.item.create of a user message with audio or text: a user turn, no answer."""
 
     item_id: str
-    pcm: np.ndarray | None  # int16, 16 kHz; None: no audio
+    audio: ItemAudio | None  # still encoded: decoded when applied, once the input budget has taken it; None: no audio
     text: str = ""  # its input_text parts (the model reads them after the audio)
     event_id: str | None = None
 
@@ -123,8 +124,8 @@ def apply(session: Session, inp: SessionInput, now: float) -> None:
             session.receive_clear()
         case CreateResponse(metadata=metadata, output_modalities=modalities, instructions=instructions, max_output_tokens=tokens):
             session.receive_response_create(now, metadata, modalities, instructions, tokens)
-        case AddUserItem(item_id, pcm, text):
-            session.receive_user_item(item_id, pcm, text)
+        case AddUserItem(item_id, audio, text):
+            session.receive_user_item(item_id, None if audio is None else audio.decode(), text)
         case CancelRequested(response_id):
             session.receive_response_cancel(now, response_id)
         case ClearOutput():
@@ -143,7 +144,8 @@ def apply(session: Session, inp: SessionInput, now: float) -> None:
 
 def apply_inputs(source: InputSource, session: Session, now: float, budget: InputBudget | None = None) -> int:
     """Everything `source` parsed since the last call, in order; refusals go back to it. Client audio
-    beyond `budget` is dropped (reported at most once a second). Returns the audio frames dropped."""
+    beyond `budget` is dropped (reported at most once a second); an item whose audio it cannot take now
+    is refused (each one reported) before its audio is decoded. Returns the audio frames dropped."""
     dropped = 0
     for inp in source.inputs():
         if budget is not None and isinstance(inp, AudioIn) and inp.client_frame:
@@ -153,6 +155,10 @@ def apply_inputs(source: InputSource, session: Session, now: float, budget: Inpu
                 if rejection.report:
                     source.input_refused(rate_error(rejection, budget.limits), inp.event_id)
                 continue
+        if budget is not None and isinstance(inp, AddUserItem) and inp.audio is not None:
+            if (refusal := item_audio_refusal(inp.audio, budget, now)) is not None:
+                source.input_refused(refusal, inp.event_id)
+                continue
         try:
             apply(session, inp, now)
         except SessionError as e:
@@ -160,9 +166,29 @@ def apply_inputs(source: InputSource, session: Session, now: float, budget: Inpu
     return dropped
 
 
-def rate_error(rejection: Rejection, limits: InputLimits) -> SessionError:
+def item_audio_refusal(audio: ItemAudio, budget: InputBudget, now: float) -> SessionError | None:
+    """None: `budget` took the item's audio (decode it); else why the item is refused. Costed from its
+    length before any decoding, so a refused item costs no more than its JSON did."""
+    seconds, lim = audio.seconds, budget.limits
+    most_s, key = lim.item_audio_limit()
+    if seconds > most_s:  # never fits: not a matter of rate, and not counted as one
+        return SessionError("audio_too_large", f"an item may hold at most {most_s:g} s of audio ({key}); "
+                                               f"this one holds {seconds:.1f} s", audio.param)
+    rejection = budget.item_audio(seconds, now)
+    return None if rejection is None else rate_error(rejection, lim, seconds)
+
+
+def rate_error(rejection: Rejection, limits: InputLimits, item_s: float = 0.0) -> SessionError:
+    if rejection.what == "item_audio":
+        return SessionError("input_rate_exceeded", f"the item's {item_s:.1f} s of audio is beyond the session's audio budget "
+                                                   f"({limits.audio_rate:g}x real time after a {limits.audio_burst_s:g} s burst): "
+                                                   f"not added; it would fit in {rejection.retry_after_s:.1f} s. The session is "
+                                                   f"closed if input stays over budget for {limits.overrun_close_s:g} s", "item")
     if rejection.what == "audio":
         why = f"audio faster than {limits.audio_rate:g}x real time (beyond a {limits.audio_burst_s:g} s burst)"
+    elif rejection.what == "bytes":
+        why = (f"messages of more than {limits.message_bytes_per_s / (1 << 20):g} MiB a second (beyond a burst of "
+               f"{limits.message_bytes_burst / (1 << 20):g} MiB)")
     else:
         why = f"more than {limits.messages_per_s:g} messages a second (beyond a burst of {limits.message_burst:g})"
     return SessionError("input_rate_exceeded", f"{why}: {rejection.since_report} dropped since the last such error; "

@@ -151,6 +151,111 @@ async def oversize_and_garbage(base: str, token: str, speech: np.ndarray) -> dic
     return {"error_codes": errors, "oversize_close_code": code}
 
 
+async def lone_surrogates(base: str, token: str, speech: np.ndarray) -> dict:
+    """Valid JSON that is not valid Unicode (a lone UTF-16 surrogate, `"\\ud800"`) in the instructions, a system
+    message and a typed user turn: each once closed the session with no error event. Each must get an
+    `invalid_json` error, and the session go on (a valid update then applies)."""
+    ws = await _ws(base, token)
+    codes = []
+    for event in ({"type": "session.update", "session": {"instructions": "be brief \ud800"}},
+                  {"type": "conversation.item.create", "item": {"type": "message", "role": "system",
+                                                                "content": [{"type": "input_text", "text": "\udfff rules"}]}},
+                  {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                                "content": [{"type": "input_text", "text": "hello \ud83d"}]}}):
+        await ws.send(json.dumps(event))  # json escapes the surrogate as \ud800: valid JSON
+        codes.append((await _until_event(ws, "error", 10))["error"]["code"])
+    await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "Be brief."}}))
+    updated = await _until_event(ws, "session.updated", 10)
+    await ws.close()
+    return {"error_codes": codes, "went_on": updated["session"]["instructions"] == "Be brief."}
+
+
+async def text_hoard(base: str, token: str, speech: np.ndarray, rounds: int = 8) -> dict:
+    """A session that tries to make the server hold text: instructions and system messages of 64 KB (each
+    was tokenized whole, on the event loop, at every change; within the input budget's bytes), and items
+    by the thousand. Each beyond `limits.text` must be an error naming the limit, the session going on."""
+    ws = await _ws(base, token)
+    big = "\u200b" * 21_000  # 63 KB of UTF-8, 3 bytes a character: beyond limits.text's 16 KiB
+    codes: dict[str, int] = {}
+
+    async def ask(event: dict, done: str) -> None:
+        """Send `event`; count its outcome: an error's code, or "accepted" (`done` came)."""
+        await ws.send(json.dumps(event, ensure_ascii=False))
+        code = "no answer"
+        while True:
+            ev = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            if ev["type"] == "error" and ev["error"]["code"] != "input_rate_exceeded":  # (that one: this client's pace)
+                code = ev["error"]["code"]
+                if done == "session.updated":  # a refused field: the update's others still apply, and it is echoed
+                    await _until_event(ws, done, 10)
+                break
+            if ev["type"] == done:
+                code = "accepted"
+                break
+        codes[code] = codes.get(code, 0) + 1
+
+    for _ in range(rounds):
+        await ask({"type": "session.update", "session": {"instructions": big}}, "session.updated")
+        await ask({"type": "conversation.item.create", "item": {"type": "message", "role": "system",
+                                                                "content": [{"type": "input_text", "text": big}]}},
+                  "conversation.item.done")
+    for k in range(1030):  # beyond limits.text.max_items (1024)
+        await ask({"type": "conversation.item.create", "item": {"type": "message", "role": "assistant",
+                                                                "content": [{"type": "output_text", "text": f"note {k}"}]}},
+                  "conversation.item.done")
+    await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+    await _until_event(ws, "input_audio_buffer.cleared", 10)  # still serving
+    await ws.close()
+    return {"outcomes": codes}
+
+
+async def upload_bombs(base: str, token: str, speech: np.ndarray, pid: int | None, rounds: int = 5) -> dict:
+    """Decompression bombs to POST /v1/audio/transcriptions (realtime/soak/upload_bombs.py: a 55-byte FLAC
+    at 8 Hz once took the gateway +2.4 GB, an 8 KB M4A declaring 85 million frames +2.9 GB, four at
+    once +4.7 GB, a 4 KB WAV claiming ~100 MHz held its event loop 7.5 s), each sent `rounds` times,
+    four at once, beside a flood witness (realtime/soak/floods.py: audio gaps, loop round trip). Each
+    must be a 400 naming the problem; the gateway's peak RSS over the fault is sampled every 10 ms."""
+    import httpx
+
+    from realtime.soak.floods import Witness
+    from realtime.soak.upload_bombs import hostile_uploads
+
+    bombs = list(hostile_uploads().items()) * rounds
+    witness, stop = Witness(base, token), asyncio.Event()
+    watching = asyncio.create_task(witness.run(stop))
+    await asyncio.sleep(4.0)  # its first answer under way
+    rss0 = process_sample(pid).get("rss_mib", 0.0) if pid else 0.0
+    peak = rss0
+
+    async def sample() -> None:
+        nonlocal peak
+        while pid:
+            peak = max(peak, process_sample(pid).get("rss_mib", 0.0))
+            await asyncio.sleep(0.01)
+
+    sampler = asyncio.create_task(sample())
+    outcomes: dict[str, dict[str, int]] = {}
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def one(name: str, data: bytes) -> None:
+            r = await client.post(f"{base}/v1/audio/transcriptions", headers={"Authorization": f"Bearer {token}"},
+                                  files={"file": (name, data)}, data={"model": "x"})
+            got = f"{r.status_code} {r.json().get('error', {}).get('code')}"
+            outcomes.setdefault(name, {})[got] = outcomes.setdefault(name, {}).get(got, 0) + 1
+
+        for i in range(0, len(bombs), 4):
+            await asyncio.gather(*(one(name, data) for name, data in bombs[i:i + 4]))
+    t1 = time.monotonic()
+    await asyncio.sleep(1.0)  # a stall shows in the deltas after the last refusal
+    sampler.cancel()
+    during = witness.window(t0, time.monotonic())
+    stop.set()
+    await asyncio.wait_for(watching, 40)
+    return {"uploads": len(bombs), "outcomes": outcomes, "upload_seconds": round(t1 - t0, 2),
+            "witness_before": witness.window(t0 - 2.5, t0), "witness_during": during,
+            "witness_lost": witness.lost, "gateway_rss_peak_growth_mib": round(peak - rss0, 1)}
+
+
 async def engine_stall(base: str, token: str, speech: np.ndarray, pid: int | None, stall_ms: float = 400.0) -> dict:
     """The engine process frozen (SIGSTOP) for `stall_ms` in the middle of an answer."""
     if pid is None:
@@ -184,7 +289,9 @@ async def run_faults(out_dir: Path, seed: int = 0) -> Path:
     await asyncio.sleep(3)
     results = {}
     for name, fault in (("vanish_mid_answer", vanish_mid_answer), ("slow_reader", slow_reader), ("slowloris", slowloris),
-                        ("oversize_and_garbage", oversize_and_garbage),
+                        ("oversize_and_garbage", oversize_and_garbage), ("lone_surrogates", lone_surrogates),
+                        ("text_hoard", text_hoard),
+                        ("upload_bombs", lambda b, t, s: upload_bombs(b, t, s, server.pid)),
                         ("engine_stall", lambda b, t, s: engine_stall(b, t, s, server.pid))):
         rss0 = process_sample(server.pid).get("rss_mib")
         t0 = time.monotonic()

@@ -8,7 +8,8 @@
 A request runs in steps, each a possible OpenAI-shaped refusal (`ApiError`, realtime.http.json_error):
 the content type (415); the server's state (503 draining) and `audio_api.max_concurrent` one-shot
 requests at once (429, Retry-After), so uploads cannot starve the live sessions; the fields (400
-naming the field: what the engine cannot honour is refused, never dropped); the upload's audio
+naming the field: what the engine cannot honour is refused, never dropped; speech's `input` also in the
+model's tokens, counted off the loop: 400 `context_length_exceeded`); the upload's audio
 (realtime/audio_upload.py, off the event loop); the engine's first delta or chunk, so a refusal
 there is still a status code: `AtCapacity` 503 with Retry-After (as `POST /v1/realtime/calls`),
 `NoTextModel` 400 `model_has_no_text`, `EngineError` 500. After the first byte a failure can only
@@ -31,9 +32,12 @@ from typing import TypeVar
 
 import numpy as np
 
-from engine.service_api import SAMPLE_RATE_HZ, AtCapacity, AudioChunk, EngineError, NoTextModel, SpeechOptions, TranscriptionOptions
+from engine.service_api import (
+    SAMPLE_RATE_HZ, AtCapacity, AudioChunk, EngineError, NoTextModel, SpeechOptions, TextTooLong, TranscriptionOptions,
+)
 from realtime import client_json
-from realtime.audio_upload import DecodedAudio, UploadError, UploadLimits, decode_upload
+from realtime.audio_upload import DecodedAudio, UploadError, UploadLimits, decode_off_loop
+from realtime.config import AudioApiSection
 from realtime.form_data import FormDataError, parse_form_data
 from realtime.http import HttpReply, HttpRequest, HttpRoute, error_body, json_error
 from realtime.http_stream import HttpStream
@@ -128,8 +132,7 @@ class AudioApi:
         try:
             form = await asyncio.to_thread(_form, req)
             options, fmt, stream = _transcription_fields(form)
-            limits = UploadLimits(self.cfg.max_upload_bytes, self.cfg.max_duration_s)
-            audio = await asyncio.to_thread(_decode, form["file"], limits)
+            audio = await _decode(form["file"], _upload_limits(self.cfg))
             deltas, first = await _start(lambda: self.engine.transcribe(audio.pcm, options), self.ctx.config.limits.retry_after_s)
         except ApiError as e:
             slot.release(e.outcome)
@@ -198,6 +201,7 @@ class AudioApi:
             return e.reply()
         encoder = None
         try:
+            await self._check_speech_tokens(text, voice_pcm is not None)
             encoder = SpeechEncoder(fmt, speed)
             options = SpeechOptions(speaker_prompt_pcm=voice_pcm, max_ms=1000.0 * self.cfg.max_speech_s)
             chunks, first = await _start(lambda: self.engine.synthesize(text, options), self.ctx.config.limits.retry_after_s)
@@ -240,6 +244,19 @@ class AudioApi:
             await _aclose(chunks)
             self.metrics.audio_seconds.labels("speech").inc(samples / SAMPLE_RATE_HZ)
             slot.release(outcome)
+
+    async def _check_speech_tokens(self, text: str, voice: bool) -> None:
+        """Text that fits `max_input_chars` may still not fit the model's context (4096 emoji are 16384
+        byte-level tokens): refused naming the limit in tokens, before the engine is asked. Counted off the
+        event loop. (A model without text: the engine refuses the request itself, with NoTextModel.)"""
+        if not self.engine.supports_text:
+            return
+        budget = self.engine.text_budget()
+        limit = budget.speech_tokens_with_voice if voice else budget.speech_tokens
+        if (n := await _in_thread(self.engine.count_text_tokens, text)) > limit:
+            raise ApiError(HTTPStatus.BAD_REQUEST, TextTooLong.code,
+                           f"input is {n} tokens of this model; at most {limit} fit its context of {budget.context} positions"
+                           f"{' beside the voice' if voice else ''}", "input")
 
     # ---- shared ----
     def _slot(self, endpoint: str) -> _Slot:
@@ -316,9 +333,15 @@ def _text(form: dict[str, bytes], name: str) -> str | None:
         raise ApiError(HTTPStatus.BAD_REQUEST, "invalid_value", f"'{name}' is not UTF-8 text", name) from None
 
 
-def _decode(data: bytes, limits: UploadLimits) -> DecodedAudio:
+def _upload_limits(cfg: AudioApiSection) -> UploadLimits:
+    max_decode_bytes = None if cfg.max_decode_mb is None else int(cfg.max_decode_mb * 2**20)
+    return UploadLimits(cfg.max_upload_bytes, cfg.max_duration_s, max_decode_bytes, cfg.decode_timeout_s)
+
+
+async def _decode(data: bytes, limits: UploadLimits) -> DecodedAudio:
+    """The upload decoded in a worker under its limits (realtime/audio_upload.py): the loop only awaits."""
     try:
-        return decode_upload(data, limits)
+        return await decode_off_loop(data, limits)
     except UploadError as e:
         raise ApiError(e.status, e.code, e.message, "file", outcome="too_large" if e.status == 413 else "bad_request") from None
 
@@ -411,6 +434,8 @@ def _refusal(e: BaseException, retry_after_s: float) -> ApiError | None:
                         headers={"Retry-After": str(max(1, round(retry_after_s)))}, outcome="at_capacity")
     if isinstance(e, NoTextModel):
         return ApiError(HTTPStatus.BAD_REQUEST, NoTextModel.code, f"this server's model cannot do this: {e}", outcome="no_text_model")
+    if isinstance(e, TextTooLong):  # (the gateway counts first: only if its count and the engine's ever disagree)
+        return ApiError(HTTPStatus.BAD_REQUEST, e.code, f"the input does not fit the model's context: {e}", "input")
     if isinstance(e, EngineError):
         return ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, e.code, f"the engine failed the request: {e}", outcome="engine_error")
     if isinstance(e, ValueError):  # the contract's refusal of empty text or audio (refused before it gets there)

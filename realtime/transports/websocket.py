@@ -23,6 +23,7 @@ from realtime.http import WsRoute
 from realtime.protocol import OpusOutput, ProtocolLimits, RealtimeProtocol, ResumeOffer, SessionSettings
 from realtime.resume import ResumeRefused, new_resume_token
 from realtime.session import Session
+from realtime.text_limits import TokenMeter
 from realtime.transports.context import TransportContext
 
 
@@ -74,9 +75,12 @@ def realtime_protocol(ctx: TransportContext, session: Session, resume_token: str
     """The OpenAI Realtime event machine for a session, with the server's settings (WebRTC's data channel too)."""
     cfg = ctx.config
     resume = ResumeOffer(resume_token, cfg.limits.resume_grace_s) if resume_token else None
+    engine = ctx.admission.engine
+    tokens = TokenMeter(engine.count_text_tokens, engine.text_budget(), cfg.limits.text) if engine.supports_text else None
     return RealtimeProtocol(session, ProtocolLimits(max_append_bytes=cfg.limits.max_append_bytes),
                             SessionSettings.of(cfg.session, ctx.voices), OpusOutput(cfg.audio.opus_bitrate, cfg.audio.opus_complexity),
-                            resume, audio_out_of_band, extensions, text_model=ctx.admission.engine.supports_text)
+                            resume, audio_out_of_band, extensions, text_model=engine.supports_text, text_limits=cfg.limits.text,
+                            tokens=tokens)
 
 
 def register(ctx: TransportContext) -> None:

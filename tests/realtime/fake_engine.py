@@ -76,6 +76,9 @@ One-shot requests (the /v1/audio endpoints), async generators: their errors come
 - `synthesize(text)` yields `speech_ms(text)` (60 ms a character, capped by `SpeechOptions.max_ms`)
   of `speech_pcm(text, ...)`, a sine whose frequency is `speech_hz(text)`, in `chunk_ms` chunks,
   one every `oneshot_step_s`, the last with `is_last`. Empty text: ValueError.
+- Text budget: `text_budget()` for a context of `text_context` positions (4096), and
+  `count_text_tokens(text)` one token per UTF-8 byte (`engine.token_counts` records each call's length);
+  `synthesize` beyond the budget's `speech_tokens` raises `TextTooLong` at its first `anext`.
 - `text_model=False`: both raise `NoTextModel`. `oneshot_capacity=N`: a request beyond N running at
   once (or any while `ready` is False) raises `AtCapacity`. `oneshot_fail_after=N`: an
   `EngineError` after N deltas or chunks.
@@ -108,6 +111,8 @@ from engine.service_api import (
     ResponseInProgress,
     Role,
     SpeechOptions,
+    TextBudget,
+    TextTooLong,
     TranscriptionOptions,
     uses_guidance,
 )
@@ -661,7 +666,8 @@ class FakeEngine:
     def __init__(self, capacity: int = 4, *, answer_ms: float = 1000.0, chunk_ms: float = 80.0, step_s: float = 0.0,
                  fail_after_chunks: int | None = None, deadline_offset_s: float = 0.5, text: str = "",
                  context_exchanges: int | None = None, text_model: bool = True, oneshot_step_s: float = 0.005,
-                 oneshot_capacity: int | None = None, oneshot_fail_after: int | None = None, row_s: float = 0.0) -> None:
+                 oneshot_capacity: int | None = None, oneshot_fail_after: int | None = None, row_s: float = 0.0,
+                 text_context: int = 4096) -> None:
         self.capacity = capacity
         self.row_s = row_s  # wall time per row of a step (module docstring, "Load"); 0: steps cost `step_s` alone
         self.slowdown = 1.0  # every step's time is multiplied by this (the machine turns out slower)
@@ -669,6 +675,8 @@ class FakeEngine:
         # False: a model without a text tokenizer (supports_text False): text options, typed turns,
         # transcribe and synthesize raise NoTextModel
         self.text_model = text_model
+        self.text_context = text_context  # the model's positions, for text_budget()
+        self.token_counts: list[int] = []  # count_text_tokens() calls: the length (characters) of each text counted
         self.oneshot_step_s = oneshot_step_s  # wall time per transcript delta or speech chunk
         self.oneshot_capacity = oneshot_capacity  # one-shot requests running at once; None: no bound
         self.oneshot_fail_after = oneshot_fail_after  # EngineError after this many deltas/chunks
@@ -796,6 +804,10 @@ class FakeEngine:
         async def chunks() -> AsyncIterator[AudioChunk]:
             if not text.strip():
                 raise ValueError("nothing to say: the text is empty")
+            budget = self.text_budget()
+            if self.text_model and self.count_text_tokens(text) > budget.speech_tokens:
+                shot.status = "refused"
+                raise TextTooLong(f"the text is too long for the model's context ({self.count_text_tokens(text)} tokens)")
             async with self._running(shot):
                 start_time = time.monotonic()
                 for k, start in enumerate(range(0, total, per_chunk)):
@@ -807,6 +819,21 @@ class FakeEngine:
                                      is_last=start + n >= total)
 
         return chunks()
+
+    def text_budget(self) -> TextBudget:
+        """As the engine's (engine/text_budget.py), for a context of `text_context` positions."""
+        if not self.text_model:
+            raise NoTextModel("the model has no text tokenizer")
+        n = self.text_context
+        return TextBudget(context=n, system_tokens=n // 4, user_text_tokens=n // 2, speech_tokens=n - 24,
+                          speech_tokens_with_voice=n - 524)
+
+    def count_text_tokens(self, text: str) -> int:
+        """One token per UTF-8 byte (a byte-level BPE's count for text it has no merges for)."""
+        if not self.text_model:
+            raise NoTextModel("the model has no text tokenizer")
+        self.token_counts.append(len(text))
+        return len(text.encode("utf-8", "surrogatepass"))
 
     @contextlib.asynccontextmanager
     async def _running(self, shot: OneShot):

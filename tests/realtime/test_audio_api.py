@@ -180,10 +180,11 @@ def test_every_container_a_client_sends_reaches_the_engine_as_16k_mono(name):
 
 
 def test_decoding_stops_once_the_upload_is_too_long(monkeypatch):
-    """A 10-minute FLAC with a 2 s limit: refused after about 2 s of it has been decoded, not 10 minutes."""
+    """A 10-minute FLAC with a 2 s limit: refused after about 2 s of it has been decoded, not 10 minutes
+    (written to a pipe, so it does not declare its length; one that does is refused before decoding)."""
     import realtime.audio_upload as audio_upload
 
-    data = encoded("flac", "flac", np.zeros(600 * 8_000, np.int16), 8_000)
+    data = encoded("flac", "flac", np.zeros(600 * 8_000, np.int16), 8_000, seekable=False)
     resampled = []
 
     real = av.AudioResampler
@@ -201,6 +202,10 @@ def test_decoding_stops_once_the_upload_is_too_long(monkeypatch):
         decode_upload(data, UploadLimits(len(data), max_duration_s=2.0))
     assert e.value.code == "audio_too_long" and e.value.status == 400 and "2 s" in e.value.message
     assert 2 * 8_000 <= sum(resampled) <= 3 * 8_000
+    resampled.clear()
+    with pytest.raises(UploadError) as e:
+        decode_upload(encoded("flac", "flac", np.zeros(600 * 8_000, np.int16), 8_000), UploadLimits(1 << 20, max_duration_s=2.0))
+    assert e.value.code == "audio_too_long" and "declares 600 s" in e.value.message and resampled == []
     audio = decode_upload(encoded("flac", "flac", np.zeros(3 * 8_000, np.int16), 8_000), UploadLimits(1 << 20, 5.0))
     assert audio.pcm.size == 3 * 16_000 and audio.container == "flac"
 

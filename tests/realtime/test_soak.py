@@ -81,6 +81,12 @@ def test_fault_runs_leave_the_server_and_the_witness_unharmed(tmp_path, tiny_mod
                                                              "invalid_json", "unknown_event_type"]
     assert faults["engine_stall"].get("answer_status", "completed") == "completed"
     assert faults["slow_reader"]["answer_after_resuming"] is not False
+    assert faults["lone_surrogates"] == {**faults["lone_surrogates"], "error_codes": ["invalid_json"] * 3, "went_on": True}
+    assert faults["text_hoard"]["outcomes"] == {"string_above_max_length": 16, "accepted": 1024, "conversation_limit_exceeded": 6}
+    bombs = faults["upload_bombs"]  # each a 400 naming the problem, the gateway's memory bounded (issue 39)
+    assert all(got.startswith("400 ") for per_file in bombs["outcomes"].values() for got in per_file), bombs
+    assert sum(n for per_file in bombs["outcomes"].values() for n in per_file.values()) == bombs["uploads"]
+    assert bombs["gateway_rss_peak_growth_mib"] < 100, bombs
     assert witness["errors"] == [] and witness["crashed"] is None and witness["closed_by_server"] is None
     assert witness["answers"] >= 1
     # the floods: each abusive client is cut off by its budget (or as a slow reader of its own errors), the
