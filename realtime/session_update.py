@@ -223,17 +223,24 @@ def _tracing(upd: SessionUpdate, value, current) -> None:
     upd.changes["tracing"] = parse_tracing(value, current)
 
 
+def _input_field(cfg: dict, inp: dict, name: str) -> tuple[str, Any] | None:
+    """An input audio field in its GA place (`audio.input.<name>`) or its beta one (`input_audio_<name>`),
+    the GA one first: (its parameter path for errors, its value); None when neither is sent."""
+    if name in inp:
+        return f"session.audio.input.{name}", inp[name]
+    if f"input_audio_{name}" in cfg:
+        return f"session.input_audio_{name}", cfg[f"input_audio_{name}"]
+    return None
+
+
 def _noise_reduction(upd: SessionUpdate, cfg: dict, inp: dict, current: str | None) -> None:
     """audio.input.noise_reduction (GA) or input_audio_noise_reduction (beta): {"type": "near_field" |
     "far_field"} suppresses noise in the user's audio before the VAD and the model
     (realtime/noise_suppression.py); null turns it off. No type: the current one, else near_field.
     `strength` is each type's own: 1 (the API's default) or omitted."""
-    if "noise_reduction" in inp:
-        param, value = "session.audio.input.noise_reduction", inp["noise_reduction"]
-    elif "input_audio_noise_reduction" in cfg:
-        param, value = "session.input_audio_noise_reduction", cfg["input_audio_noise_reduction"]
-    else:
+    if (found := _input_field(cfg, inp, "noise_reduction")) is None:
         return
+    param, value = found
     if value is None:
         upd.changes["noise_reduction"] = None
         return
@@ -342,12 +349,9 @@ def _transcription(upd: SessionUpdate, cfg: dict, inp: dict, text: bool) -> None
     """audio.input.transcription (GA) or input_audio_transcription (beta): the dialogue model itself
     writes each answered user turn's transcript; any model name is taken (and echoed), as no other
     model runs; the hints are echoed as given. null turns it off."""
-    if "transcription" in inp:
-        param, value = "session.audio.input.transcription", inp["transcription"]
-    elif "input_audio_transcription" in cfg:
-        param, value = "session.input_audio_transcription", cfg["input_audio_transcription"]
-    else:
+    if (found := _input_field(cfg, inp, "transcription")) is None:
         return
+    param, value = found
     if value is None:
         upd.changes["transcription"] = None
         return
