@@ -22,6 +22,7 @@ from engine.service_api import DEFAULT_RETENTION_RATIO, ConversationOptions
 from engine.service_config import EngineServiceConfig
 from realtime.input_budget import InputLimits
 from realtime.noise_suppression import NOISE_REDUCTION_TYPES
+from realtime.request_rate import HttpRateLimits
 from realtime.text_limits import TextLimits
 from realtime.vad import VadParams
 
@@ -36,6 +37,18 @@ class ServerSection:
     # written into resume tokens and Twilio stream URLs, so the balancer routes them back here
     # (deploy/haproxy.cfg, docs/scaling.md). None: one server, tokens name nothing.
     replica_id: str | None = None
+    # Ephemeral client secrets (`ek_...`, realtime/client_secrets.py) are signed with a key derived from
+    # this secret, so every replica sharing it honours the others' keys with no shared store. None: from
+    # the token (replicas sharing the token interoperate too); set, a new token leaves the keys valid.
+    client_secret_key: str | None = None
+    client_secret_ttl_s: float = 600.0  # a key's life when the request names none (OpenAI's default)
+    client_secret_max_ttl_s: float = 7200.0  # the longest a request may ask for (OpenAI's bound)
+    # TLS: https:// and wss:// on the same port (PEM files; the key unencrypted). Both or neither.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # Origins whose pages may call the API endpoints (CORS, realtime/cors.py). None: any origin (the
+    # endpoints take bearer tokens, never cookies); a list narrows it.
+    cors_origins: list | None = None  # of str: origins as browsers send them (scheme://host[:port])
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,7 @@ class LimitsSection:
     input: InputLimits = InputLimits()  # what one client may send per second (a nested section: limits.input.audio_rate ...)
     overload: OverloadLimits = OverloadLimits()  # slow start of admissions, degradation of admitted calls (realtime/overload.py)
     text: TextLimits = TextLimits()  # what text one session may make the server hold (realtime/text_limits.py: limits.text.max_items ...)
+    http_rate: HttpRateLimits = HttpRateLimits()  # one client's HTTP requests per second (realtime/request_rate.py: limits.http_rate.burst ...)
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,8 @@ class VadSection(VadParams):
 REPLICA_ID = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label (RFC 1123), as Kubernetes names pods
 MAX_SEED = 2**63 - 1
 MAX_TOP_K = 1_000_000  # beyond any vocabulary: the same as no top-k
+MIN_SECRET_TTL_S, MAX_SECRET_TTL_S = 10.0, 86_400.0  # a client secret's life: OpenAI's floor; a day at most (it cannot be revoked)
+MIN_SECRET_KEY_CHARS = 16
 
 
 TRUNCATION_MODES = ("auto", "disabled", "retention_ratio")
@@ -319,6 +335,8 @@ def config_from_dict(data: dict | None) -> ServerConfig:
 def validate(cfg: ServerConfig) -> None:
     checks = [
         ("server.port", 0 <= cfg.server.port <= 65535),
+        ("server.client_secret_max_ttl_s", MIN_SECRET_TTL_S <= cfg.server.client_secret_max_ttl_s <= MAX_SECRET_TTL_S),
+        ("server.client_secret_ttl_s", MIN_SECRET_TTL_S <= cfg.server.client_secret_ttl_s <= cfg.server.client_secret_max_ttl_s),
         ("limits.drain_timeout_s", 0 <= cfg.limits.drain_timeout_s <= 86_400),
         ("limits.max_message_bytes", cfg.limits.max_message_bytes >= 1024),
         ("limits.max_append_bytes", cfg.limits.max_append_bytes >= 1),
@@ -359,15 +377,20 @@ def validate(cfg: ServerConfig) -> None:
         except ValueError:
             raise ValueError(f"config key 'webrtc.public_host': {cfg.webrtc.public_host!r} is not an IP address "
                              "(ICE candidates carry addresses, not names)") from None
+    if cfg.server.client_secret_key is not None and len(cfg.server.client_secret_key) < MIN_SECRET_KEY_CHARS:
+        raise ValueError(f"config key 'server.client_secret_key': at least {MIN_SECRET_KEY_CHARS} characters (it signs every "
+                         "client secret: a short one can be guessed), or null to derive it from the token")
     if cfg.server.replica_id is not None and not REPLICA_ID.fullmatch(cfg.server.replica_id):
         raise ValueError(f"config key 'server.replica_id': {cfg.server.replica_id!r} is not a DNS label (1-63 of a-z, 0-9 "
                          "and '-', not starting or ending with '-'): it goes into URLs and load balancer backend names")
     for name, why in cfg.session.problems():
         raise ValueError(f"config key 'session.{name}': value out of range ({why})")
     for key, params in (("vad", cfg.vad), ("telephony.vad", cfg.telephony.vad), ("limits.input", cfg.limits.input),
-                        ("limits.text", cfg.limits.text)):
+                        ("limits.text", cfg.limits.text), ("limits.http_rate", cfg.limits.http_rate)):
         for name, why in params.problems():  # the same rules as session.update's turn_detection
             raise ValueError(f"config key '{key}.{name}': value out of range ({why})")
+    if cfg.server.cors_origins is not None and not all(isinstance(o, str) and o for o in cfg.server.cors_origins):
+        raise ValueError("config key 'server.cors_origins': a list of origins (scheme://host[:port]), or unset for any")
     if not all(isinstance(h, str) and h for h in cfg.telephony.allowed_hosts):
         raise ValueError("config key 'telephony.allowed_hosts': a list of host names (host or host:port)")
     for name, path in cfg.session.voices.items():
