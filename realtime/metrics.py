@@ -36,6 +36,7 @@ class GatewayMetrics:
         self.speculative = Counter("duplex_speculative_responses", "Answers started at a pause in the user's speech, by outcome: confirmed (the turn ended; sent) or discarded (the user went on; never sent)", ["outcome"], registry=r)
         self.exchanges_dropped = Counter("duplex_context_exchanges_dropped", "Exchanges (a user turn and its answer) dropped from conversations to fit the model's context", registry=r)
         self.auth_failures = Counter("duplex_auth_failures", "Requests refused for a missing, malformed or wrong credential", ["endpoint"], registry=r)
+        self.http_rate_limited = Counter("duplex_http_rate_limited", "HTTP requests refused (429) for their client's request rate (limits.http_rate)", registry=r)
         self.webrtc_peers = Gauge("duplex_webrtc_peer_connections", "WebRTC peer connections alive", registry=r)
         # the one-shot audio endpoints (realtime/transports/audio_api.py); endpoint: transcriptions | speech
         self.audio_requests = Counter("duplex_audio_api_requests", "One-shot audio requests by endpoint and outcome "

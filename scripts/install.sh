@@ -33,7 +33,7 @@ if [[ $SYSTEM == 1 ]]; then
 fi
 
 # The OpenAI Agents SDK (a test extra, tests/realtime/test_frameworks.py) declares websockets<17, but the
-# gateway needs websockets 17 (pyproject.toml), and the SDK's realtime client runs on 17. So it is
+# other clients the tests drive install websockets 17, and the SDK's realtime client runs on 17. So it is
 # installed without its dependencies, and with all of them but websockets, as the SDK 0.24.0 declares.
 FRAMEWORKS_NO_DEPS=(openai-agents==0.24.0)
 FRAMEWORKS_DEPS=("griffelib>=2,<3" "httpx2>=2.12.0" "mcp>=1.19.0,<3" "openai>=3.0.0,<4" "pydantic>=2.12.2,<3" "pyjwt>=2.15.0"

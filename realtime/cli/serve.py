@@ -23,6 +23,8 @@ def register(subparsers) -> None:
     p.add_argument("--host", help="server.host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="server.port (default 8000; 0 = any free port)")
     p.add_argument("--token", help="server.token: bearer token clients must send (default: random, printed)")
+    p.add_argument("--tls-cert", help="server.tls_cert: PEM certificate (chain): serve https:// and wss:// (with --tls-key)")
+    p.add_argument("--tls-key", help="server.tls_key: its PEM private key")
     p.add_argument("--replica-id", help="server.replica_id: this replica's name behind a load balancer (a DNS label; docs/scaling.md)")
     p.add_argument("--model", help="engine.model: checkpoint directory, or hub id owner/name[@rev] of one (default: the cached tiny model)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -32,13 +34,20 @@ def register(subparsers) -> None:
 def build_config(args: argparse.Namespace) -> ServerConfig:
     cfg = load_config(args.config)
     return with_overrides(cfg, **{"server.host": args.host, "server.port": args.port, "server.token": args.token,
-                                  "server.replica_id": args.replica_id, "engine.model": args.model})
+                                  "server.replica_id": args.replica_id, "engine.model": args.model,
+                                  "server.tls_cert": args.tls_cert, "server.tls_key": args.tls_key})
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = build_config(args)
+    from realtime.tls import server_context
     from realtime.tracing import exporter_names
+
+    try:
+        server_context(cfg.server)  # a missing or unusable certificate fails now, not after the engine's start-up
+    except ValueError as e:
+        raise SystemExit(f"duplex serve: {e}") from None
 
     exporter_names()  # a span exporter this server cannot honour (OTEL_TRACES_EXPORTER, ...) fails now
     voices = load_voices(cfg.session.voices)  # a bad voice file fails now, not after the engine's start-up
@@ -59,6 +68,7 @@ def _freeze_startup_heap() -> None:
 async def _serve(cfg: ServerConfig, ecfg: EngineServiceConfig, voices: dict) -> int:
     from engine.service import Engine
     from realtime.server import Gateway
+    from realtime.tls import base_url
 
     token = cfg.server.token or secrets.token_hex(16)  # hex: never starts with "-", so it pastes into --token
     log.info("starting the engine (model: %s)...", ecfg.model or "tiny default")
@@ -67,7 +77,7 @@ async def _serve(cfg: ServerConfig, ecfg: EngineServiceConfig, voices: dict) -> 
     try:
         await gw.start()
         _freeze_startup_heap()
-        base = cfg.server.public_url or f"http://{cfg.server.host}:{gw.port}"
+        base = base_url(cfg.server, gw.port or 0)
         ws = base.replace("http", "ws", 1)
         audio = f"\n  audio api:  {base}/v1/audio/transcriptions, {base}/v1/audio/speech" if cfg.audio_api.enabled else ""
         print(f"duplex serve: ready\n  demo page:  {base}/?token={token}\n  websocket:  {ws}/v1/realtime  "

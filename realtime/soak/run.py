@@ -70,6 +70,20 @@ def _read_all_metrics(bases: list[str], token: str, last: dict[str, dict] | None
     return out
 
 
+async def _sessions_closed(bases: list[str], timeout_s: float = 15.0) -> None:
+    """Until every server reports no session open (its /healthz), at most `timeout_s`; then a moment more
+    for the last counters. A fixed pause was too short on a loaded machine: a frame counted by a session
+    still closing was read as lost."""
+    deadline = time.monotonic() + timeout_s
+    await asyncio.sleep(0.5)
+    while time.monotonic() < deadline:
+        states = await asyncio.gather(*(asyncio.to_thread(health, b) for b in bases))
+        if all(s.get("sessions", 0) == 0 for s in states):
+            break
+        await asyncio.sleep(0.25)
+    await asyncio.sleep(0.25)
+
+
 async def run_soak(cfg: SoakConfig) -> Path:
     token = cfg.token or secrets.token_urlsafe(12)
     server = None
@@ -120,7 +134,7 @@ async def run_soak(cfg: SoakConfig) -> Path:
         if hogs is not None:
             hogs.cancel()
             await asyncio.gather(hogs, return_exceptions=True)
-    await asyncio.sleep(1.5)  # the server finishes closing the sessions before we read its counters
+    await _sessions_closed(counted)  # a session counts its last frames as it closes: read the counters after
     after_each: dict[str, dict] = {}
     after = await asyncio.to_thread(_read_all_metrics, counted, token, last_metrics, after_each)
     final_health = await asyncio.to_thread(health, base)

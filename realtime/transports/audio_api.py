@@ -14,7 +14,7 @@ model's tokens, counted off the loop: 400 `context_length_exceeded`); the upload
 there is still a status code: `AtCapacity` 503 with Retry-After (as `POST /v1/realtime/calls`),
 `NoTextModel` 400 `model_has_no_text`, `EngineError` 500. After the first byte a failure can only
 end the reply: a transcript stream gets an `error` event, audio is closed without its last chunk
-(realtime/http_stream.py). docs/protocol.md, "OpenAI audio endpoints", lists every field.
+(realtime/http.py `HttpStream`). docs/protocol.md, "OpenAI audio endpoints", lists every field.
 
 A streamed body is an async generator that is started here (it yields b"" once) before it is
 handed to the server, so its `finally` always runs: the engine's iterator is closed there (the
@@ -38,9 +38,7 @@ from engine.service_api import (
 from realtime import client_json
 from realtime.audio_upload import DecodedAudio, UploadError, UploadLimits, decode_off_loop
 from realtime.config import AudioApiSection
-from realtime.form_data import FormDataError, parse_form_data
-from realtime.http import HttpReply, HttpRequest, HttpRoute, error_body, json_error
-from realtime.http_stream import HttpStream
+from realtime.http import HttpError, HttpReply, HttpRequest, HttpRoute, HttpStream, error_body, json_error
 from realtime.speech_formats import FORMATS as SPEECH_FORMATS
 from realtime.speech_formats import SpeechEncoder
 from realtime.time_stretch import MAX_SPEED, MIN_SPEED
@@ -83,15 +81,16 @@ def register(ctx: TransportContext) -> AudioApi | None:
         return None
     api = AudioApi(ctx)
     ctx.routes.http[TRANSCRIPTIONS_PATH] = HttpRoute(
-        api.transcriptions, max_body_bytes=cfg.max_upload_bytes, body_timeout_s=cfg.upload_timeout_s, bounded=False,
+        api.transcriptions, max_body_bytes=cfg.max_upload_bytes, body_timeout_s=cfg.upload_timeout_s, bounded=False, cors=True,
         on_refused=lambda status: api.count("transcriptions", _REFUSAL_OUTCOMES.get(status, "bad_request")))
     ctx.routes.http[SPEECH_PATH] = HttpRoute(
-        api.speech, bounded=False, on_refused=lambda status: api.count("speech", _REFUSAL_OUTCOMES.get(status, "bad_request")))
+        api.speech, bounded=False, cors=True, on_refused=lambda status: api.count("speech", _REFUSAL_OUTCOMES.get(status, "bad_request")))
     ctx.metrics.audio_running.set_function(lambda: api.running)
     return api
 
 
-_REFUSAL_OUTCOMES: dict[int, str] = {HTTPStatus.UNAUTHORIZED: "unauthorized", HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "too_large"}
+_REFUSAL_OUTCOMES: dict[int, str] = {HTTPStatus.UNAUTHORIZED: "unauthorized", HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "too_large",
+                                     HTTPStatus.TOO_MANY_REQUESTS: "busy", HTTPStatus.REQUEST_TIMEOUT: "too_slow"}
 
 
 class _Slot:
@@ -130,7 +129,7 @@ class AudioApi:
             self.count("transcriptions", e.outcome)
             return e.reply()
         try:
-            form = await asyncio.to_thread(_form, req)
+            form = await _form(req)
             options, fmt, stream = _transcription_fields(form)
             audio = await _decode(form["file"], _upload_limits(self.cfg))
             deltas, first = await _start(lambda: self.engine.transcribe(audio.pcm, options), self.ctx.config.limits.retry_after_s)
@@ -194,11 +193,18 @@ class AudioApi:
     async def speech(self, req: HttpRequest) -> HttpReply | HttpStream:
         try:
             _content_type(req, "application/json", "a JSON object (model, input, voice, ...)")
-            text, voice_pcm, fmt, speed = _speech_fields(req.body, self.ctx.voices, self.cfg.max_input_chars)
             slot = self._slot("speech")
         except ApiError as e:
             self.count("speech", e.outcome)
             return e.reply()
+        try:
+            text, voice_pcm, fmt, speed = _speech_fields(await _body(req), self.ctx.voices, self.cfg.max_input_chars)
+        except ApiError as e:
+            slot.release(e.outcome)
+            return e.reply()
+        except BaseException as e:
+            slot.release("client_gone" if isinstance(e, asyncio.CancelledError) else "error")
+            raise
         encoder = None
         try:
             await self._check_speech_tokens(text, voice_pcm is not None)
@@ -279,14 +285,22 @@ def _content_type(req: HttpRequest, expected: str, what: str) -> None:
     ctype = req.headers.get("Content-Type", "")
     if ctype.split(";")[0].strip().lower() != expected:
         raise ApiError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type",
-                       f"the body must be {what}, sent as {expected}; got {ctype or 'no Content-Type'}")
+                       f"the body must be {what}, sent as {expected}; got {ctype.encode(errors='surrogateescape').decode(errors='replace') or 'no Content-Type'}")
 
 
-def _form(req: HttpRequest) -> dict[str, bytes]:
+async def _form(req: HttpRequest) -> dict[str, bytes]:
+    """The upload's form, read only now that the request holds a slot (read within the route's limits)."""
     try:
-        return parse_form_data(req.headers.get("Content-Type", ""), req.body, max_fields=MAX_FORM_FIELDS)
-    except FormDataError as e:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "invalid_request", f"the form could not be read: {e}") from None
+        return await req.form(MAX_FORM_FIELDS)
+    except HttpError as e:
+        raise ApiError(e.status, e.code, e.message, e.param, outcome=_REFUSAL_OUTCOMES.get(e.status, "bad_request")) from None
+
+
+async def _body(req: HttpRequest) -> bytes:
+    try:
+        return await req.read()
+    except HttpError as e:
+        raise ApiError(e.status, e.code, e.message, e.param, outcome=_REFUSAL_OUTCOMES.get(e.status, "bad_request")) from None
 
 
 def _transcription_fields(form: dict[str, bytes]) -> tuple[TranscriptionOptions, str, bool]:

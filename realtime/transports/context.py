@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from realtime.admission import Admission
 from realtime.config import ServerConfig
-from realtime.http import Routes, TokenAuth
+from realtime.auth import Auth
+from realtime.http import Routes
 from realtime.metrics import GatewayMetrics
 
 
@@ -18,7 +19,7 @@ class TransportContext:
     config: ServerConfig
     admission: Admission
     metrics: GatewayMetrics
-    auth: TokenAuth
+    auth: Auth
     voices: dict  # name -> 16 kHz PCM
     routes: Routes
     on_stop: Callable[[Callable[[], Awaitable[None]]], None]  # resources closed at stop(), after the sessions

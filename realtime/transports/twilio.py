@@ -23,13 +23,12 @@ from collections.abc import Callable
 from http import HTTPStatus
 from urllib.parse import parse_qsl, urlencode
 
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
-
 from engine.service_api import AtCapacity
-from realtime.http import HttpReply, HttpRequest, HttpRoute, WsRoute
+from realtime.auth import SERVER
+from realtime.http import HttpReply, HttpRequest, HttpRoute, Scope, WsRoute
 from realtime.transports.context import TransportContext
 from realtime.transports.websocket import CLOSE_TRY_AGAIN, WebSocketLink
+from realtime.web_socket import ServerWebSocket
 from realtime.twilio_protocol import (
     FRAME_MS,
     StreamStart,
@@ -51,10 +50,13 @@ CLOSE_POLICY = 1008
 
 def register(ctx: TransportContext) -> TwilioBridge:
     bridge = TwilioBridge(ctx)
-    ctx.routes.ws[STREAM_PATH] = WsRoute(bridge.stream, auth=False)
+    # Twilio's messages are under 1 KiB (`start` with its parameters a few): the server-wide limit
+    # (megabytes, for audio appends) would let an unauthenticated socket make us parse megabytes.
+    stream = WsRoute(bridge.stream, Scope.PUBLIC, max_message_bytes=ctx.config.telephony.max_message_bytes)
+    ctx.routes.ws[STREAM_PATH] = stream
     if ctx.config.server.replica_id:  # the TwiML names this replica: the balancer routes the stream on it
-        ctx.routes.ws[replica_stream_path(ctx.config.server.replica_id)] = WsRoute(bridge.stream, auth=False)
-    ctx.routes.http[TWIML_PATH] = HttpRoute(bridge.twiml, methods=("POST", "GET"), auth=False)
+        ctx.routes.ws[replica_stream_path(ctx.config.server.replica_id)] = stream
+    ctx.routes.http[TWIML_PATH] = HttpRoute(bridge.twiml, methods=("POST", "GET"), scope=Scope.PUBLIC)
     return bridge
 
 
@@ -104,7 +106,7 @@ class TwilioBridge:
 
     # ---- TwiML webhook ----
     async def twiml(self, req: HttpRequest) -> HttpReply:
-        form = parse_qsl(req.body.decode("utf-8", "replace"), keep_blank_values=True) if req.method == "POST" else []
+        form = parse_qsl((await req.read()).decode("utf-8", "replace"), keep_blank_values=True) if req.method == "POST" else []
         if not self._webhook_authorized(req, form):
             status = HTTPStatus.FORBIDDEN if self.config.telephony.twilio_auth_token else HTTPStatus.UNAUTHORIZED
             self.ctx.metrics.auth_failures.labels(TWIML_PATH).inc()
@@ -140,7 +142,7 @@ class TwilioBridge:
     def _webhook_authorized(self, req: HttpRequest, form: list[tuple[str, str]]) -> bool:
         auth, auth_token = self.ctx.auth, self.config.telephony.twilio_auth_token
         if not auth_token:
-            return auth.authorized(req.headers, req.query)
+            return (cred := auth.identify(req.headers, req.query)) is not None and cred.allows(Scope.SERVER)
         signature = req.headers.get("X-Twilio-Signature")
         if signature and (base := self._public_base(req)) is not None:
             query = urlencode([(k, v) for k, vs in req.query.items() for v in vs])
@@ -148,14 +150,11 @@ class TwilioBridge:
             if signature_valid(auth_token, url, form, signature):
                 return True
             log.warning("twiml webhook: X-Twilio-Signature does not match %s", url)
-        return bool(auth.token) and auth.authorized(req.headers, req.query)
+        return bool(auth.token) and auth.identify(req.headers, req.query) is SERVER
 
     # ---- the media stream ----
-    async def stream(self, ws: ServerConnection) -> None:
+    async def stream(self, ws: ServerWebSocket) -> None:
         admission, metrics, cfg = self.ctx.admission, self.ctx.metrics, self.config
-        # Twilio's messages are under 1 KiB (`start` with its parameters a few): the server-wide limit
-        # (megabytes, for audio appends) would let an unauthenticated socket make us parse megabytes.
-        ws.protocol.max_message_size = cfg.telephony.max_message_bytes
         # a call's text goes to the log (telephony.transcripts): the caller's turns transcribed, the model's text if it writes any
         transcripts = cfg.telephony.transcripts and admission.engine.supports_text
         options = dataclasses.replace(cfg.session.engine_options(self.ctx.voices), transcribe_user=transcripts)
@@ -183,7 +182,7 @@ class TwilioBridge:
                  start.stream_sid, proto.stats.media_in, proto.stats.media_out, proto.stats.marks_echoed, proto.stats.clears,
                  "".join(proto.stats.digits), dict(proto.faults) or "none")
 
-    async def _await_start(self, ws: ServerConnection, proto: TwilioProtocol) -> StreamStart | None:
+    async def _await_start(self, ws: ServerWebSocket, proto: TwilioProtocol) -> StreamStart | None:
         """Read until `start` (`connected` comes first): its fields; None when the stream ended or was closed instead."""
         timeout_s = self.config.telephony.start_timeout_s
         try:
@@ -196,7 +195,7 @@ class TwilioBridge:
             log.warning("twilio stream: no start within %.0f s: closed", timeout_s)
             await ws.close(CLOSE_POLICY, "no start message")
             return None
-        except ConnectionClosed:
+        if ws.closed and proto.state is StreamState.AWAITING_START:
             return None
         if proto.state is not StreamState.STREAMING or proto.start is None:
             code, reason = proto.closing or (1000, "")

@@ -39,8 +39,7 @@ from av import AudioFrame
 from engine.service_api import AtCapacity
 from realtime import client_json
 from realtime.audio import StreamResampler
-from realtime.form_data import FormDataError, parse_form_data
-from realtime.http import HttpReply, HttpRequest, HttpRoute, json_error
+from realtime.http import HttpReply, HttpRequest, HttpRoute, Scope, json_error
 from realtime.metrics import GatewayMetrics
 from realtime.runner import SessionRunner
 from realtime.session import RATE_HZ
@@ -57,11 +56,15 @@ RTP_RATE_HZ = 48_000
 FRAME_SAMPLES = RTP_RATE_HZ // 50  # 20 ms, Opus's frame
 MAX_OFFER_BYTES = 64 * 1024
 _MAX_LATE_FRAMES = 5  # behind schedule by more than this: restart the clock instead of bursting
+SIP_ACTIONS = ("accept", "reject", "refer")
 
 
 def register(ctx: TransportContext) -> WebRtcCalls:
     calls = WebRtcCalls(ctx)
-    ctx.routes.http[CALLS_PATH] = HttpRoute(calls.handle_offer, methods=("POST",))
+    ctx.routes.http[CALLS_PATH] = HttpRoute(calls.handle_offer, scope=Scope.SESSION, cors=True)
+    ctx.routes.http[CALLS_PATH + "/{call_id}/hangup"] = HttpRoute(calls.hangup, cors=True)
+    for action in SIP_ACTIONS:  # OpenAI's SIP call control: there is no SIP side here
+        ctx.routes.http[CALLS_PATH + "/{call_id}/" + action] = HttpRoute(_no_sip, cors=True)
     ctx.metrics.webrtc_peers.set_function(lambda: len(calls.peers))
     if _is_loopback(ctx.config.server.host):
         _offer_loopback_candidates()
@@ -227,6 +230,15 @@ class DataChannelLink:
             await asyncio.sleep(0.02)  # SCTP backpressure: the writer waits, the outbound queue bounds it
 
     async def close(self, code: int, reason: str) -> None:
+        # the data channel first, and its close seen through: closing the peer connection at once has aiortc
+        # abort the SCTP association, which a browser reports to the page as an error (`sctp-failure`)
+        ch = self.channel
+        if ch is not None and ch.readyState == "open":
+            ch.close()
+            for _ in range(50):
+                if ch.readyState == "closed":
+                    break
+                await asyncio.sleep(0.02)
         await self.pc.close()
 
     def lost(self) -> bool:
@@ -244,28 +256,40 @@ class WebRtcCalls:
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
         self.peers: set[RTCPeerConnection] = set()  # live peer connections (exported in /metrics)
+        self.links: dict[str, DataChannelLink] = {}  # call id (the session's) -> its data channel, for hangup
 
     async def close_all(self) -> None:
         for pc in list(self.peers):
             await pc.close()
 
+    async def hangup(self, req: HttpRequest) -> HttpReply:
+        """`POST /v1/realtime/calls/{call_id}/hangup`: end that call, as OpenAI's (its session closes as if the
+        peer had left)."""
+        link = self.links.get(req.params["call_id"])
+        if link is None:
+            return json_error(HTTPStatus.NOT_FOUND, "call_not_found", f"no call {req.params['call_id']!r} on this server",
+                              param="call_id")
+        link.end()
+        return HttpReply(HTTPStatus.OK, "{}", "application/json")
+
     async def handle_offer(self, req: HttpRequest) -> HttpReply:
         ctype = req.headers.get("Content-Type", "")
-        session_cfg: dict | None = None
+        # an ephemeral key's session config first; the form's own (below) is applied over it
+        session_cfg: dict | None = dict(req.credential.grant.session) if req.credential.grant is not None else None
         if ctype.split(";")[0].strip().lower() == "multipart/form-data":  # the openai SDK's calls.create(sdp=, session=)
+            form = await req.form()
             try:
-                form = parse_form_data(ctype, req.body)
                 body = form["sdp"]
                 if "session" in form:
                     loaded = client_json.loads(form["session"].decode("utf-8"))
                     if not isinstance(loaded, dict):
                         raise ValueError("'session' must be a JSON object")
-                    session_cfg = loaded
-            except (FormDataError, KeyError, UnicodeDecodeError, ValueError, client_json.BadJson) as e:
+                    session_cfg = {**(session_cfg or {}), **loaded}
+            except (KeyError, UnicodeDecodeError, ValueError, client_json.BadJson) as e:
                 return json_error(HTTPStatus.BAD_REQUEST, "invalid_request", f"the form needs an 'sdp' field and an optional "
                                                                              f"'session' JSON object ({e})")
         elif ctype.split(";")[0].strip().lower() == "application/sdp":
-            body = req.body
+            body = await req.read()
         else:
             return json_error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "invalid_request",
                               "the offer must be sent as application/sdp or multipart/form-data (sdp, session)")
@@ -293,6 +317,7 @@ class WebRtcCalls:
                               {"Retry-After": str(max(1, round(e.retry_after_s)))})
         session_id = runner.id
         self.peers.add(pc)
+        self.links[session_id] = link
         inputs: list[asyncio.Task] = []
         mic = MicCounts()
 
@@ -320,6 +345,7 @@ class WebRtcCalls:
             log.info("session %s: bad offer: %s", session_id, e)
             await pc.close()
             self.peers.discard(pc)
+            self.links.pop(session_id, None)
             await admission.abandon(runner)
             return json_error(HTTPStatus.BAD_REQUEST, "invalid_offer", f"the SDP offer could not be used: {e}")
 
@@ -337,6 +363,7 @@ class WebRtcCalls:
                 track.stop()
                 await pc.close()
                 self.peers.discard(pc)
+                self.links.pop(session_id, None)
                 await mic.account(runner, self.ctx.metrics)
 
         admission.background(run())
@@ -344,6 +371,12 @@ class WebRtcCalls:
         if (public := self.ctx.config.webrtc.public_host) is not None:
             answer = announce_host(answer, public)
         return HttpReply(HTTPStatus.CREATED, answer, "application/sdp", {"Location": f"{CALLS_PATH}/{session_id}"})
+
+
+async def _no_sip(req: HttpRequest) -> HttpReply:
+    return json_error(HTTPStatus.BAD_REQUEST, "sip_not_supported",
+                      f"this server has no SIP calls to {req.path.rsplit('/', 1)[-1]}: its calls are WebRTC (hang one up with "
+                      f"POST {CALLS_PATH}/{{call_id}}/hangup)")
 
 
 def announce_host(sdp: str, host: str) -> str:

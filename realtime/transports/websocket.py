@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from urllib.parse import parse_qs, urlsplit
-
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
-from websockets.frames import CloseCode
 
 from engine.service_api import AtCapacity
-from realtime.http import WsRoute
+from realtime.http import Scope, WsRoute
 from realtime.protocol import OpusOutput, ProtocolLimits, RealtimeProtocol, ResumeOffer, SessionSettings
 from realtime.resume import ResumeRefused, new_resume_token
 from realtime.session import Session
 from realtime.text_limits import TokenMeter
 from realtime.transports.context import TransportContext
+from realtime.web_socket import ServerWebSocket
 
 
 NAME = "websocket"
@@ -34,15 +30,12 @@ CLOSE_TRY_AGAIN = 1013
 
 
 class WebSocketLink:
-    def __init__(self, ws: ServerConnection) -> None:
+    def __init__(self, ws: ServerWebSocket) -> None:
         self.ws = ws
 
     async def messages(self) -> AsyncIterator[str | bytes]:
-        try:
-            async for message in self.ws:
-                yield message
-        except ConnectionClosed:
-            return
+        async for message in self.ws:
+            yield message
 
     async def send(self, message: str | bytes) -> None:
         await self.ws.send(message)
@@ -51,15 +44,11 @@ class WebSocketLink:
         await self.ws.close(code, reason)
 
     def lost(self) -> bool:
-        """The client never said goodbye (no close frame): the TCP connection died or stopped answering
-        pings. A close by the client, or by us for a reason (1009 too big...), is not a loss."""
-        p = self.ws.protocol
-        return p.close_rcvd is None and (p.close_sent is None or p.close_sent.code == CloseCode.INTERNAL_ERROR)
+        return self.ws.lost()
 
     def sent_close_code(self) -> int | None:
-        """The code of the close frame we sent (websockets itself sends 1009 for a message too big)."""
-        sent = self.ws.protocol.close_sent
-        return None if sent is None else sent.code
+        """The code of the close frame we sent (1009 for a message too big is sent for us)."""
+        return self.ws.sent_close_code()
 
 
 def error_event(code: str, message: str, retry_after_s: float | None = None) -> str:
@@ -86,15 +75,15 @@ def realtime_protocol(ctx: TransportContext, session: Session, resume_token: str
 def register(ctx: TransportContext) -> None:
     admission, limits = ctx.admission, ctx.config.limits
 
-    async def handle(ws: ServerConnection) -> None:
-        if ws.request is None:  # (never: a handler runs after the opening handshake)
-            return
-        query = parse_qs(urlsplit(ws.request.path).query)
+    async def handle(ws: ServerWebSocket) -> None:
+        query = ws.query
         if "resume" in query:
             return await resume(ws, query)
         token = new_resume_token(ctx.config.server.replica_id) if limits.resume_grace_s > 0 else None
         # `?duplex=1` (our SDK): our additions from session.created on, its resume token included
         proto = realtime_protocol(ctx, admission.new_session(), token, extensions=query.get("duplex", ["0"])[0] == "1")
+        if ws.credential.grant is not None:  # an ephemeral key's session config: applied as the session opens
+            proto.preconfigure(ws.credential.grant.session)
         try:
             runner = admission.open_session(NAME, WebSocketLink(ws), proto, resume_token=token)
         except AtCapacity as e:
@@ -103,7 +92,7 @@ def register(ctx: TransportContext) -> None:
             return
         await admission.run(runner)
 
-    async def resume(ws: ServerConnection, query: dict[str, list[str]]) -> None:
+    async def resume(ws: ServerWebSocket, query: dict[str, list[str]]) -> None:
         """`?resume=TOKEN&last_seq=N`: re-attach a detached (or still attached) session to this connection."""
         runner = admission.find_resumable(query["resume"][0])
         try:
@@ -122,4 +111,4 @@ def register(ctx: TransportContext) -> None:
             return
         await ws.wait_closed()  # the runner owns the connection now; it closes it when the session ends
 
-    ctx.routes.ws[PATH] = WsRoute(handle)
+    ctx.routes.ws[PATH] = WsRoute(handle, Scope.SESSION)

@@ -560,7 +560,7 @@ def test_the_upload_limit_is_the_transcription_routes_only_and_needs_the_token()
             assert error(reply) == (b"HTTP/1.1 401 Unauthorized", "invalid_api_key")  # refused before the body is read
             reply = await raw(gw.port, head("/v1/audio/transcriptions", 3 << 20, form), b"x" * (3 << 20))
             assert error(reply) == (b"HTTP/1.1 413 Request Entity Too Large", "request_too_large")
-            reply = await raw(gw.port, head("/v1/audio/transcriptions", len(body), form, "Expect: 100-continue"), body, True)
+            reply = await raw(gw.port, head("/v1/audio/transcriptions", len(body), form, "Expect: 100-continue", "Connection: close"), body, True)
             assert reply.startswith(b"HTTP/1.1 200 OK") and json.loads(reply.partition(b"\r\n\r\n")[2])["text"] == fake_transcript(pcm)
             m = gw.metrics.registry.get_sample_value
             assert m("duplex_audio_api_requests_total", {"endpoint": "transcriptions", "outcome": "too_large"}) == 1
@@ -582,75 +582,54 @@ def test_the_endpoints_can_be_switched_off_and_their_config_is_checked():
             config_from_dict({"audio_api": {key: value}})
 
 
-# ---- the streamed reply's writer (realtime/http_stream.py), without sockets ----
-
-class FakeTransport:
-    def __init__(self) -> None:
-        self.written, self.closed, self.aborted = bytearray(), False, False
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.aborted = True
-
-
-class FakeTarget:
-    """A connection whose transport never drains when `stuck` (a client that reads nothing); lost once closed."""
-
-    def __init__(self, stuck: bool = False) -> None:
-        self.transport = FakeTransport()
-        self.lost = asyncio.get_running_loop().create_future()
-        self.stuck = stuck
-
-    async def writable(self) -> None:
-        if self.stuck:
-            await asyncio.Event().wait()
-
-    def settle(self) -> None:
-        if (self.transport.closed or self.transport.aborted) and not self.lost.done():
-            self.lost.set_result(None)
-
+# ---- the streamed reply's writer (realtime/web_shell.py), on a route of the test's own ----
 
 def test_the_stream_writer_frames_chunks_and_ends_a_failed_or_stalled_body_without_the_last_chunk():
     from http import HTTPStatus
 
-    from realtime.http_stream import HttpStream, StreamEnd, send_stream
+    from realtime.http import HttpRoute, HttpStream, Scope
 
-    async def body(pieces, fail: bool = False, closed: list | None = None):
+    closed: list[str] = []
+
+    async def body(name: str, pieces: list[bytes], fail: bool = False):
         try:
             for p in pieces:
                 yield p
             if fail:
                 raise RuntimeError("the engine died")
         finally:
-            if closed is not None:
-                closed.append(True)
+            closed.append(name)
 
-    async def send(target: FakeTarget, stream: HttpStream) -> StreamEnd:
-        task = asyncio.ensure_future(send_stream(target, stream, close_timeout_s=5))
-        while not task.done():
-            target.settle()
-            await asyncio.sleep(0)
-        return task.result()
+    big = b"z" * (1 << 20)
+    streams = {"ok": lambda: HttpStream(HTTPStatus.OK, body("ok", [b"abc", b"", b"0123456789abcdef"]), "audio/wav", {"X-A": "1"}),
+               "fail": lambda: HttpStream(HTTPStatus.OK, body("fail", [b"abc"], fail=True), "audio/wav"),
+               "stall": lambda: HttpStream(HTTPStatus.OK, body("stall", [big] * 64), "audio/wav", stall_timeout_s=0.3)}
+
+    async def reply_of(port: int, name: str, read: bool = True) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET /test/{name} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        if not read:  # a client that reads nothing: the server's buffers fill, the writer stalls
+            await asyncio.sleep(2.0)
+        data = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return data
 
     async def main():
-        t = FakeTarget()
-        end = await send(t, HttpStream(HTTPStatus.OK, body([b"abc", b"", b"0123456789abcdef"]), "audio/wav", {"X-A": "1"}))
-        head, _, rest = bytes(t.transport.written).partition(b"\r\n\r\n")
-        assert end is StreamEnd.COMPLETED and head.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nX-A: 1" in head
-        assert b"Transfer-Encoding: chunked" in head and b"Content-Type: audio/wav" in head
-        assert rest == b"3\r\nabc\r\n10\r\n0123456789abcdef\r\n0\r\n\r\n" and t.transport.closed
-        t = FakeTarget()
-        end = await send(t, HttpStream(HTTPStatus.OK, body([b"abc"], fail=True), "audio/wav"))
-        assert end is StreamEnd.FAILED and bytes(t.transport.written).endswith(b"3\r\nabc\r\n") and t.transport.closed
-        t, closed = FakeTarget(stuck=True), []
-        end = await send(t, HttpStream(HTTPStatus.OK, body([b"a", b"b"], closed=closed), "audio/wav", stall_timeout_s=0.05))
-        assert end is StreamEnd.STALLED and t.transport.aborted and closed == [True]
-        assert bytes(t.transport.written).endswith(b"1\r\na\r\n")  # nothing more was pulled from the body
+        async with gateway(FakeEngine()) as gw:
+            for name, make in streams.items():
+                async def handler(req, make=make):
+                    return make()
+                gw.routes.http[f"/test/{name}"] = HttpRoute(handler, methods=("GET",), scope=Scope.PUBLIC, bounded=False)
+            head, _, rest = (await reply_of(gw.port, "ok")).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nX-A: 1" in head
+            assert b"Transfer-Encoding: chunked" in head and b"Content-Type: audio/wav" in head
+            assert rest == b"3\r\nabc\r\n10\r\n0123456789abcdef\r\n0\r\n\r\n"
+            head, _, rest = (await reply_of(gw.port, "fail")).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n") and rest == b"3\r\nabc\r\n"  # cut: no last chunk
+            data = await reply_of(gw.port, "stall", read=False)
+            assert not data.endswith(b"0\r\n\r\n") and len(data) < 64 * len(big)  # dropped before the body was pulled whole
+            await asyncio.sleep(0.1)
+            assert sorted(closed) == ["fail", "ok", "stall"]  # each body's iterator closed, however its reply ended
 
     run(main)
 
@@ -680,29 +659,33 @@ def test_a_stop_cuts_the_streams_in_progress_and_their_engine_requests():
     run(main)
 
 
-def test_the_request_deadline_moved_from_websockets_to_the_connection():
-    """websockets' open_timeout is off (it would cut streamed replies); a slow handshake or upload is still cut."""
-    async def closed_after(port: int, parts: list[bytes], pause_s: float) -> float:
+def test_a_slow_request_head_is_cut_and_a_slow_upload_refused():
+    """A head must arrive within limits.open_timeout_s (else the connection is closed, counted as an
+    incomplete handshake); an upload's body by its route's own, longer deadline (else 408)."""
+    async def reply_after(port: int, parts: list[bytes], pause_s: float) -> tuple[bytes, float]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         t0 = time.monotonic()
         for part in parts:
             writer.write(part)
             await asyncio.sleep(pause_s)
-            if reader.at_eof():
+            if reader.at_eof() or reader._buffer:  # (peeking: the server answered or closed)
                 break
         data = await asyncio.wait_for(reader.read(), 10)
         writer.close()
-        assert data == b"", data  # aborted: no reply
-        return time.monotonic() - t0
+        return data, time.monotonic() - t0
 
     async def main():
         config = {"limits": {"open_timeout_s": 0.5}, "audio_api": {"upload_timeout_s": 1.5}}
         async with gateway(FakeEngine(), config) as gw:
             slow_head = [b"GET /v1/realtime HTTP/1.1\r\n"] + [b"X-Slow: 1\r\n"] * 40
-            assert 0.5 <= await closed_after(gw.port, slow_head, 0.1) < 4
+            data, took_s = await reply_after(gw.port, slow_head, 0.1)
+            assert data == b"" and 0.5 <= took_s < 4  # closed, no reply
             upload = (f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
                       "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 100000\r\n\r\n").encode()
-            assert 1.5 <= await closed_after(gw.port, [upload] + [b"x" * 1000] * 40, 0.1) < 5  # its own, longer deadline
-            assert gw.metrics.registry.get_sample_value("duplex_handshakes_incomplete_total") == 2
+            data, took_s = await reply_after(gw.port, [upload] + [b"x" * 1000] * 40, 0.1)
+            assert data.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in data and 1.5 <= took_s < 5  # its own deadline
+            assert gw.metrics.registry.get_sample_value("duplex_handshakes_incomplete_total") == 1
+            m = gw.metrics.registry.get_sample_value
+            assert m("duplex_audio_api_requests_total", {"endpoint": "transcriptions", "outcome": "too_slow"}) == 1
 
     run(main)

@@ -18,7 +18,6 @@ from openai.types.realtime import RealtimeServerEvent, RealtimeSessionCreateRequ
 from rt_helpers import silence
 from test_protocol import Client, _vad_turn
 
-from realtime.form_data import parse_form_data
 from realtime.session import EndTurn, PushAudio, StartResponse
 from realtime.session_update import EAGERNESS
 
@@ -342,12 +341,31 @@ def test_response_create_echoes_metadata_and_refuses_what_it_cannot_honour():
 
 
 def test_multipart_offer_as_the_openai_sdk_sends_it():
-    # the SDK posts files=[("sdp", (None, sdp, "application/sdp")), ("session", (None, json, "application/json"))]
-    req = httpx.Request("POST", "http://x/v1/realtime/calls", files={"sdp": (None, b"v=0\r\nm=audio 9", "application/sdp"),
-                                                                       "session": (None, b'{"type":"realtime"}', "application/json")})
-    body = req.read()
-    form = parse_form_data(req.headers["Content-Type"], body)
-    assert form == {"sdp": b"v=0\r\nm=audio 9", "session": b'{"type":"realtime"}'}
+    """The SDK posts files=[("sdp", (None, sdp, "application/sdp")), ("session", (None, json, "application/json"))]:
+    the gateway's form reader (aiohttp's parser, realtime/http_body.py) hands the route exactly those fields."""
+    import asyncio
+
+    from fake_engine import FakeEngine
+    from rt_helpers import fake_gateway
+
+    from realtime.http import HttpReply, HttpRoute, Scope
+
+    seen: list[dict[str, bytes]] = []
+
+    async def echo(req):
+        seen.append(await req.form())
+        return HttpReply(200, "{}", "application/json")
+
+    async def main():
+        async with fake_gateway(FakeEngine()) as gw:
+            gw.routes.http["/test/form"] = HttpRoute(echo, scope=Scope.PUBLIC)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.port}") as http:
+                r = await http.post("/test/form", files={"sdp": (None, b"v=0\r\nm=audio 9", "application/sdp"),
+                                                         "session": (None, b'{"type":"realtime"}', "application/json")})
+                assert r.status_code == 200, r.text
+
+    asyncio.run(main())
+    assert seen == [{"sdp": b"v=0\r\nm=audio 9", "session": b'{"type":"realtime"}'}]
 
 
 # With a model that reads and writes text: these fields are honoured (and their refusals still named).

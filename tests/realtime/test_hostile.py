@@ -496,7 +496,7 @@ def test_a_client_that_stops_reading_is_closed_by_keepalive_while_other_pings_ar
     """What Pipecat's `keepalive ping timeout` was (issue 28): after an error event it takes as fatal,
     Pipecat's client leaves its receive loop but keeps the connection and keeps sending audio. Its
     WebSocket library then stops reading the socket once its buffer is full, so it never sees our pings,
-    and our keepalive closes it with 1011. Here such a client (its buffer of one message never read)
+    and our keepalive cuts it. Here such a client (its buffer of one message never read)
     is closed by the server's keepalive once an answer fills that buffer, and its session is kept for a resume, while another session's
     pings keep being answered and its session goes on."""
     async def main():
@@ -517,11 +517,12 @@ def test_a_client_that_stops_reading_is_closed_by_keepalive_while_other_pings_ar
                     await asyncio.sleep(0.05)
                 assert [r.suspended for r in gw.sessions.values()] == [True, False], "the keepalive did not act"
                 assert pongs >= 2
-                # what the stalled client finds once it reads again: our keepalive's close
+                # what the stalled client finds once it reads again: the connection cut (no close frame could
+                # get past its full buffers), so it resumes like any client whose connection dropped
                 with contextlib.suppress(ConnectionClosed):
                     while True:
                         await asyncio.wait_for(stalled.recv(), 5)
-                assert (stalled.protocol.close_rcvd.code, stalled.protocol.close_rcvd.reason) == (1011, "keepalive ping timeout")
+                assert stalled.protocol.close_rcvd is None
                 await healthy.send(json.dumps({"type": "response.create"}))
                 kinds = []
                 while "response.done" not in kinds:
