@@ -1,6 +1,10 @@
 // The duplex demo page: one WebRTC call to the gateway (POST /v1/realtime/calls), events on the
 // `oai-events` data channel. No build step, nothing fetched from elsewhere.
 //
+// The page never keeps the server token: the `?token=` of the link `duplex serve` prints is traded on
+// load for a short-lived client key (ek_..., POST /v1/realtime/client_secrets) and wiped from the address
+// bar; only that key, in memory, authenticates calls. `?key=ek_...` is a key an operator minted instead.
+//
 // For tests and operators the page's state machine and counters live on `window.duplex` and are
 // mirrored into data- attributes of <body>.
 
@@ -34,6 +38,8 @@ const duplex = (window.duplex = {
   error: null, // {code, message} of the last fatal error shown
   serverErrors: [], // error events that did not end the call
   events: 0,
+  key: "none", // the page's client key: none | minting | ready | expired | refused
+  keyExpiresAt: null, // when it ends, epoch ms on this browser's clock (null: not known)
 });
 
 const call = { pc: null, dc: null, mic: null, statsTimer: null, audioCtx: null, meters: [], wantOpen: false };
@@ -60,6 +66,7 @@ function publish() {
   b.session = duplex.sessionId ?? "";
   b.error = duplex.error?.code ?? "";
   b.text = duplex.text;
+  b.key = duplex.key;
   $("responses").textContent = duplex.responses;
   $("interruptions").textContent = duplex.interruptions;
   $("ttfa").textContent = duplex.lastTtfaMs == null ? "–" : `${Math.round(duplex.lastTtfaMs)} ms`;
@@ -80,19 +87,165 @@ function clearError() {
   publish();
 }
 
+// ---- the page's key ---------------------------------------------------------------------------------
+
+// Keys are asked for as long as the server grants (its default cap); a server whose cap is lower answers
+// 400, and the page takes its default lifetime instead. A key is needed only to start a call: a call
+// goes on past its key's end.
+const KEY_SECONDS = 7200;
+const KEY_MARGIN_MS = 5000; // a key this close to its end starts no call: the offer could arrive after it
+const KEY_LINK = "open the link printed by `duplex serve` again (or paste its token in Settings)";
+const said = (message) => message.replace(/[.\s]+$/, ""); // the server's words inside a sentence of ours
+
+const auth = {
+  key: null, // the ek_ key; never the server token
+  expiresAtMs: null, // on this browser's clock (the server's expires_at, moved by the clocks' difference)
+  pending: null, // the mint under way: a call waits for it
+  problem: null, // {code, message}: why the page has no usable key
+};
+
+function setKey(value, expiresAtMs) {
+  auth.key = value;
+  auth.expiresAtMs = expiresAtMs;
+  auth.problem = null;
+  duplex.key = "ready";
+  duplex.keyExpiresAt = expiresAtMs;
+  showKey();
+}
+
+function noKey(code, message, state = "refused") {
+  auth.key = null;
+  auth.problem = { code, message };
+  duplex.key = state;
+  showKey();
+  showError(code, message);
+  $("settings").open = true;
+}
+
+function showKey() {
+  const until = auth.expiresAtMs == null ? "" : ` until ${new Date(auth.expiresAtMs).toLocaleTimeString()}`;
+  $("key-status").textContent = {
+    none: "No key yet: open the link printed by `duplex serve`, or paste its token above.",
+    minting: "Getting a key…",
+    ready: `This page holds a short-lived key${until} (not the token). A call started before then goes on after it.`,
+    expired: "The page's key expired.",
+    refused: "The page has no key.",
+  }[duplex.key];
+  publish();
+}
+
+/** The server token traded for a client key; the token itself is dropped when this returns. */
+async function mint(token) {
+  duplex.key = "minting";
+  showKey();
+  const ask = (body) => fetch("/v1/realtime/client_secrets", {
+    method: "POST",
+    headers: { Authorization: `Bearer ${token}`, "Content-Type": "application/json" },
+    body: JSON.stringify(body),
+  });
+  let resp;
+  try {
+    resp = await ask({ expires_after: { anchor: "created_at", seconds: KEY_SECONDS } });
+    if (resp.status === 400) resp = await ask({}); // a lower cap on this server: its default lifetime
+  } catch (e) {
+    return noKey("server_unreachable", `The server cannot be reached to get the page's key: is \`duplex serve\` running? Then ${KEY_LINK}.`);
+  }
+  if (!resp.ok) {
+    const err = await errorOf(resp);
+    if (resp.status === 401) {
+      return noKey("bad_token", `The server refused the token (${said(err.message)}): ${KEY_LINK}.`);
+    }
+    return noKey(err.code, `The page could not get a key from the server (${said(err.message)}).`);
+  }
+  const body = await resp.json();
+  // The server's clock may not be this browser's (the page on another machine): its Date header tells
+  // how far apart they are, so the key's end is judged on this clock.
+  const serverNow = Date.parse(resp.headers.get("Date") ?? "");
+  const skewMs = Number.isNaN(serverNow) ? 0 : Date.now() - serverNow;
+  setKey(body.value, typeof body.expires_at === "number" ? body.expires_at * 1000 + skewMs : null);
+}
+
+/** The end of an operator's key as the key itself states it (epoch ms on the server's clock), or null. */
+async function keyExpiry(key) {
+  // realtime/client_secrets.py: ek_<base64url(zlib(JSON {iat, exp, ...}))>.<signature>. Only the end is
+  // read here (the signature is the server's to check); a key in another form is used as it is.
+  try {
+    const b64 = key.slice(3).split(".")[0].replace(/-/g, "+").replace(/_/g, "/");
+    const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+    const inflated = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
+    const exp = JSON.parse(await new Response(inflated).text()).exp;
+    return typeof exp === "number" ? exp * 1000 : null;
+  } catch {
+    return null;
+  }
+}
+
+async function useKey(key) {
+  setKey(key, await keyExpiry(key));
+  if (expired()) keyExpired(); // said at once, not when Connect is pressed
+}
+
+function expired() {
+  return auth.expiresAtMs != null && Date.now() > auth.expiresAtMs - KEY_MARGIN_MS;
+}
+
+function keyExpired() {
+  noKey("key_expired", `The page's key expired: ${KEY_LINK}.`, "expired");
+}
+
+/** The key for a new call, or null with the reason shown. Waits for a mint under way. */
+async function callKey() {
+  await auth.pending;
+  if (auth.key && !expired()) return auth.key;
+  if (auth.key) return keyExpired(), null;
+  const p = auth.problem ?? { code: "no_key", message: `This page has no key: ${KEY_LINK}.` };
+  fail(p.code, p.message, true);
+  return null;
+}
+
+async function errorOf(resp) {
+  // OpenAI-shaped: {"error": {"type", "code", "message", "param"}}
+  let code = `http_${resp.status}`;
+  let message = `HTTP ${resp.status}.`;
+  try {
+    const body = await resp.clone().json();
+    code = body.error?.code ?? code;
+    message = body.error?.message ?? message;
+  } catch {}
+  return { code, message };
+}
+
+/** ?token= / ?key= out of the address bar at once (the rest of the query stays), then the token traded. */
+function takeCredentials() {
+  localStorage.removeItem("duplex.token"); // where pages before this one kept it
+  const url = new URL(location.href);
+  const token = url.searchParams.get("token");
+  const key = url.searchParams.get("key");
+  if (token === null && key === null) return showKey();
+  url.searchParams.delete("token");
+  url.searchParams.delete("key");
+  history.replaceState(history.state, "", url.pathname + url.search + url.hash);
+  if (key || token) trade(key || token);
+  else showKey();
+}
+
+function trade(tokenOrKey) {
+  const taking = tokenOrKey.startsWith("ek_") ? useKey(tokenOrKey) : mint(tokenOrKey);
+  const pending = taking.finally(() => auth.pending === pending && (auth.pending = null));
+  auth.pending = pending;
+}
+
 // ---- settings --------------------------------------------------------------------------------------
 
 function loadSettings() {
-  const url = new URL(location.href);
-  const fromUrl = url.searchParams.get("token");
-  if (fromUrl) localStorage.setItem("duplex.token", fromUrl);
-  $("token").value = fromUrl ?? localStorage.getItem("duplex.token") ?? "";
   $("silence").value = localStorage.getItem("duplex.silence_ms") ?? "500";
   $("instructions").value = localStorage.getItem("duplex.instructions") ?? "";
 }
 
 function saveSettings() {
-  localStorage.setItem("duplex.token", $("token").value.trim());
+  const pasted = $("token").value.trim();
+  $("token").value = ""; // traded for a key, never stored
+  if (pasted) trade(pasted); // (an error shown stays until Retry: the call then waits for this key)
   localStorage.setItem("duplex.silence_ms", $("silence").value);
   localStorage.setItem("duplex.instructions", $("instructions").value);
   $("saved").hidden = false;
@@ -118,6 +271,7 @@ function send(event) {
 async function connect() {
   clearError();
   setState("connecting");
+  if (!(await callKey())) return; // an expired or missing key is said now, not by a refused call
   call.wantOpen = true;
   try {
     call.mic = await navigator.mediaDevices.getUserMedia({
@@ -156,31 +310,31 @@ async function connect() {
 
   await pc.setLocalDescription(await pc.createOffer());
   await iceGatheringDone(pc, 2000);
+  if (expired()) {
+    teardown(); // the key ended while the microphone was being allowed
+    return keyExpired();
+  }
   let resp;
   try {
     resp = await fetch("/v1/realtime/calls?duplex=1", {  // duplex=1: our additions (latency marks, epochs)
       method: "POST",
       body: pc.localDescription.sdp,
-      headers: { "Content-Type": "application/sdp", Authorization: `Bearer ${$("token").value.trim()}` },
+      headers: { "Content-Type": "application/sdp", Authorization: `Bearer ${auth.key}` },
     });
   } catch (e) {
     return fail("server_unreachable", "The server cannot be reached. Is `duplex serve` running?");
   }
   if (!resp.ok) {
-    let code = `http_${resp.status}`;
-    let message = `The server refused the call (HTTP ${resp.status}).`;
-    try {
-      const body = await resp.clone().json();
-      code = body.error?.code ?? code;
-      message = body.error?.message ?? message;
-    } catch {}
+    const { code, message } = await errorOf(resp);
     if (resp.status === 401) {
-      return fail("bad_token", "The server refused the token. Open Settings and paste the token `duplex serve` printed.", true);
+      // a key this page believed good: the server's clock, or a server restarted with another secret
+      teardown();
+      return noKey("bad_key", `The server refused the page's key (${said(message)}): ${KEY_LINK}.`);
     }
     if (resp.status === 503 || code === "server_at_capacity") {
       return fail("server_at_capacity", "The server is at capacity right now. Please retry in a few seconds.");
     }
-    return fail(code, message);
+    return fail(code, `The server refused the call (HTTP ${resp.status}): ${message}`);
   }
   await pc.setRemoteDescription({ type: "answer", sdp: await resp.text() });
   call.statsTimer = setInterval(pollStats, 500);
@@ -394,5 +548,6 @@ $("save").onclick = saveSettings;
 window.addEventListener("pagehide", teardown);
 loadSettings();
 setState("idle");
+takeCredentials();
 publish();
 requestAnimationFrame(drawMeters);

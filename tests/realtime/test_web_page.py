@@ -73,14 +73,16 @@ def browser(tmp_path):
     pw = sync_playwright().start()
     contexts = []
 
-    def launch(mic: Path | None, viewport=(900, 860)):
+    def launch(mic: Path | None, viewport=(900, 860), extra_args: tuple[str, ...] = (), **options):
+        """`extra_args`: more Chromium flags; `options`: Playwright's context options (ignore_https_errors ...)."""
         args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--use-fake-ui-for-media-stream",
-                "--use-fake-device-for-media-stream", "--autoplay-policy=no-user-gesture-required"]
+                "--use-fake-device-for-media-stream", "--autoplay-policy=no-user-gesture-required", *extra_args]
         if mic is not None:
             args.append(f"--use-file-for-fake-audio-capture={mic}%noloop")
         ctx = pw.chromium.launch_persistent_context(str(tmp_path / f"profile{len(contexts)}"), executable_path=CHROMIUM,
-                                                    headless=True, args=args, viewport={"width": viewport[0], "height": viewport[1]})
+                                                    headless=True, args=args, viewport={"width": viewport[0], "height": viewport[1]},
+                                                    **options)
         contexts.append(ctx)
         return ctx.pages[0] if ctx.pages else ctx.new_page()
 
@@ -200,3 +202,146 @@ def test_page_reports_a_refused_microphone(server, tmp_path):
         ctx.close()
     assert code == "microphone_refused", text
     assert "microphone" in text.lower()
+
+
+# ---- the page's key: the server token traded for a client key (ek_) on load -----------------------------
+
+def _requests(page, path: str) -> list:
+    """The page's requests to `path`, as they are made (their headers are read afterwards)."""
+    seen: list = []
+    page.on("request", lambda r: seen.append(r) if r.url.split("?")[0].endswith(path) else None)
+    return seen
+
+
+def _mint(server: Server, token: str, body: dict) -> tuple[int, dict]:
+    """POST /v1/realtime/client_secrets as an operator would (curl): (status, JSON body)."""
+    import urllib.error
+
+    req = urllib.request.Request(f"{server.base}/v1/realtime/client_secrets", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _stored(page) -> str:
+    """Everything the page could have kept: its storage, its cookies, its DOM (inputs' values included)."""
+    return page.evaluate("""() => JSON.stringify([{...localStorage}, {...sessionStorage}, document.cookie,
+        document.documentElement.outerHTML, [...document.querySelectorAll('input, textarea')].map((e) => e.value)])""")
+
+
+def test_page_trades_the_token_for_a_key_and_calls_with_it(server, browser, speech, tmp_path):
+    assert server.wait_sessions(0) == 0
+    mic = _write_wav(tmp_path / "mic.wav", np.concatenate([silence(800, 48000), speech("Hello! How are you doing today?", 48000),
+                                                          silence(12_000, 48000)]))
+    page = browser(mic)
+    mints, offers = _requests(page, "/v1/realtime/client_secrets"), _requests(page, "/v1/realtime/calls")
+    page.goto(f"{server.base}/?lang=en&token={TOKEN}#top")
+    page.wait_for_function("window.duplex.key === 'ready'", timeout=30_000)
+    href = page.evaluate("() => location.href")
+    assert TOKEN not in href and "token" not in href, href  # gone from the address bar at once
+    assert href == f"{server.base}/?lang=en#top"  # the rest of the address stays
+    assert TOKEN not in _stored(page)
+    (mint,) = mints
+    assert mint.method == "POST" and mint.all_headers()["authorization"] == f"Bearer {TOKEN}"
+    assert json.loads(mint.post_data or "{}") == {"expires_after": {"anchor": "created_at", "seconds": 7200}}
+    s = state(page)
+    assert s["keyExpiresAt"] is not None and s["keyExpiresAt"] / 1000 > time.time() + 7000  # the lifetime asked for
+
+    page.click("#connect")
+    page.wait_for_function("window.duplex.responses >= 1", timeout=120_000)
+    s = state(page)
+    assert s["lastResponse"]["status"] == "completed" and s["bytesIn"] > 0
+    (offer,) = offers  # the server answered this offer: it took the key
+    auth = offer.all_headers()["authorization"]
+    assert auth.startswith("Bearer ek_") and TOKEN not in auth
+    assert TOKEN not in _stored(page) and TOKEN not in page.evaluate("() => location.href")
+    page.click("#hangup")
+    assert server.wait_sessions(0) == 0
+
+
+def test_page_shows_why_the_token_was_refused(server, browser, tmp_path):
+    status, refusal = _mint(server, "wrong-token", {})
+    assert status == 401 and refusal["error"]["code"] == "invalid_api_key", refusal
+    page = browser(_write_wav(tmp_path / "quiet.wav", silence(2000, 48000)))
+    offers = _requests(page, "/v1/realtime/calls")
+    page.goto(f"{server.base}/?token=wrong-token")
+    page.wait_for_function("window.duplex.key === 'refused'", timeout=30_000)
+    assert "wrong-token" not in page.evaluate("() => location.href")
+    assert state(page)["error"]["code"] == "bad_token"
+    text = page.locator("#error-text").inner_text()
+    assert refusal["error"]["message"].rstrip(". ") in text and "duplex serve" in text, text  # the server's own words, then what to do
+    assert page.locator("#error").is_visible() and page.locator("#settings").get_attribute("open") is not None
+    shot(page, "token-refused")
+    page.click("#connect")  # no key: the page says so again, and calls no one
+    page.wait_for_function("window.duplex.state === 'error'", timeout=30_000)
+    assert state(page)["error"]["code"] == "bad_token" and offers == []
+
+
+def test_page_with_an_expired_key_says_so_without_calling(server, browser, tmp_path):
+    status, minted = _mint(server, TOKEN, {"expires_after": {"anchor": "created_at", "seconds": 10}})
+    assert status == 200 and minted["value"].startswith("ek_"), minted
+    time.sleep(max(0.0, minted["expires_at"] - time.time() + 1))  # the shortest key the server grants, run out
+    page = browser(_write_wav(tmp_path / "quiet.wav", silence(2000, 48000)))
+    offers = _requests(page, "/v1/realtime/calls")
+    page.goto(f"{server.base}/?key={minted['value']}")
+    page.wait_for_function("window.duplex.key === 'expired'", timeout=30_000)
+    assert "ek_" not in page.evaluate("() => location.href")
+    text = page.locator("#error-text").inner_text()
+    assert "key expired" in text and "open the link printed by `duplex serve` again" in text, text
+    shot(page, "key-expired")
+    page.click("#connect")
+    page.wait_for_function("window.duplex.state === 'error'", timeout=30_000)
+    assert state(page)["error"]["code"] == "key_expired" and offers == []  # no call tried with it
+
+
+def test_page_over_https_from_another_machine(loop_thread, browser, speech, tmp_path):
+    """The README's recipe: a self-signed certificate made by its openssl line, the gateway on it, and the page
+    opened by a name that is not localhost (Chromium maps it to 127.0.0.1), so only https:// gives it the
+    microphone. The browser's warning about the certificate is accepted (ignore_https_errors), as a user
+    clicks through it. The gateway runs on the fake engine: what is tested is the page's way in."""
+    import shutil
+    import subprocess
+
+    from fake_engine import FakeEngine
+
+    from realtime.config import config_from_dict
+    from realtime.server import Gateway
+
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium); needed for the page tests")
+    pytest.importorskip("playwright", reason="the playwright package is needed for the page tests (pip install playwright)")
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed; it makes the certificate, as the README tells a user to")
+    host = "duplex-demo.test"  # (.test: reserved, never a real machine's name)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "30", "-keyout", "key.pem",
+                    "-out", "cert.pem", "-subj", "/CN=duplex demo", "-addext", f"subjectAltName=DNS:{host},DNS:localhost"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    engine = FakeEngine(capacity=1, answer_ms=1500, step_s=0.01)
+    gw = Gateway(engine, config_from_dict({"server": {"port": 0, "tls_cert": str(tmp_path / "cert.pem"),
+                                                      "tls_key": str(tmp_path / "key.pem")},
+                                           "vad": {"silence_duration_ms": 400}}), token=TOKEN)
+    loop_thread.run(gw.start())
+    try:
+        mic = _write_wav(tmp_path / "mic.wav", np.concatenate([silence(800, 48000), speech("Hello! Can you hear me?", 48000),
+                                                              silence(10_000, 48000)]))
+        page = browser(mic, extra_args=(f"--host-resolver-rules=MAP {host} 127.0.0.1",), ignore_https_errors=True)
+        mints, offers = _requests(page, "/v1/realtime/client_secrets"), _requests(page, "/v1/realtime/calls")
+        page.goto(f"https://{host}:{gw.port}/?token={TOKEN}")
+        page.wait_for_function("window.duplex.key === 'ready'", timeout=30_000)
+        assert page.evaluate("() => window.isSecureContext")  # what the microphone needs, away from localhost
+        assert page.evaluate("() => location.href") == f"https://{host}:{gw.port}/"
+        page.click("#connect")
+        page.wait_for_function("window.duplex.responses >= 1", timeout=60_000)
+        s = state(page)
+        assert s["error"] is None and s["bytesIn"] > 0, s
+        assert [m.url.split("://")[0] for m in mints] == ["https"]
+        (offer,) = offers
+        assert offer.url.startswith("https://") and offer.all_headers()["authorization"].startswith("Bearer ek_")
+        assert TOKEN not in _stored(page)
+        shot(page, "https-another-machine")
+        page.click("#hangup")
+    finally:
+        loop_thread.run(gw.stop())
