@@ -124,9 +124,10 @@ class Routes:
     ws: dict[str, WsRoute] = field(default_factory=dict)
     http: dict[str, HttpRoute] = field(default_factory=dict)
 
-    def match(self, path: str) -> tuple[HttpRoute, dict[str, str]] | None:
+    def match(self, path: str) -> tuple[str, HttpRoute, dict[str, str]] | None:
+        """(the route's path as registered, the route, its parts' values) for a request's path."""
         if (route := self.http.get(path)) is not None:
-            return route, {}
+            return path, route, {}
         parts = path.split("/")
         for pattern, route in self.http.items():
             if "{" not in pattern:
@@ -141,7 +142,7 @@ class Routes:
                 elif w != p:
                     break
             else:
-                return route, params
+                return pattern, route, params
         return None
 
 

@@ -131,7 +131,7 @@ class WebShell:
             return _response(static_file(path))
         ws_route = self.routes.ws.get(path)
         matched = self.routes.match(path)
-        http_route, params = matched if matched is not None else (None, {})
+        route_path, http_route, params = matched if matched is not None else (path, None, {})
         if method == "OPTIONS" and http_route is not None and http_route.cors:
             return web.Response(status=HTTPStatus.NO_CONTENT,
                                 headers=preflight(request.headers, http_route.methods, self.config.server.cors_origins))
@@ -141,7 +141,7 @@ class WebShell:
         scope = ws_route.scope if ws_route else http_route.scope if http_route else Scope.SERVER
         credential = self.auth.identify(request.headers, query, offered)
         if scope is not Scope.PUBLIC and (credential is None or not credential.allows(scope)):
-            return self._unauthorized(path, ws_route, http_route, cors)
+            return self._unauthorized(route_path, ws_route, http_route, cors)
         assert credential is not None or scope is Scope.PUBLIC
         if path == "/metrics":
             return _response(self._metrics_reply())
@@ -165,6 +165,7 @@ class WebShell:
         return await self._serve_ws(request, ws_route, query, offered, credential)
 
     def _unauthorized(self, path: str, ws_route: WsRoute | None, http_route: HttpRoute | None, cors: dict) -> web.Response:
+        """`path`: as the route was registered (`/v1/realtime/calls/{call_id}/hangup`), so the metric's labels stay few."""
         known = ws_route is not None or http_route is not None or path == "/metrics"
         self.metrics.auth_failures.labels(path if known else "other").inc()
         if ws_route or http_route:

@@ -97,6 +97,10 @@ def test_an_ephemeral_key_opens_a_session_with_its_config_and_nothing_else():
                                      ("POST", "/v1/realtime/calls/rtc_x/hangup")):
                     r = await http.request(method, path, json={})
                     assert r.status_code == 401, (path, r.status_code)
+            # a refused request on a route with parts is counted under the route, not its path (few labels)
+            m = gw.metrics.registry.get_sample_value
+            assert m("duplex_auth_failures_total", {"endpoint": "/v1/realtime/calls/{call_id}/hangup"}) == 1
+            assert m("duplex_auth_failures_total", {"endpoint": "/v1/realtime/calls/rtc_x/hangup"}) is None
             # a bad mint is an OpenAI-shaped 400 naming the field; the server token only
             r = await mint(base, {"expires_after": {"anchor": "created_at", "seconds": 5}})
             assert r.status_code == 400 and r.json()["error"]["param"] == "expires_after.seconds", r.text

@@ -86,7 +86,9 @@ def test_fault_runs_leave_the_server_and_the_witness_unharmed(tmp_path, tiny_mod
     bombs = faults["upload_bombs"]  # each a 400 naming the problem, the gateway's memory bounded (issue 39)
     assert all(got.startswith("400 ") for per_file in bombs["outcomes"].values() for got in per_file), bombs
     assert sum(n for per_file in bombs["outcomes"].values() for n in per_file.values()) == bombs["uploads"]
-    assert bombs["gateway_rss_peak_growth_mib"] < 100, bombs
+    for name in ("lone_surrogates", "text_hoard", "upload_bombs"):  # witnessed: the memory each took is bounded
+        assert faults[name]["gateway_rss_peak_growth_mib"] < 100, (name, faults[name])
+        assert faults[name]["witness_lost"] is None, (name, faults[name])
     assert witness["errors"] == [] and witness["crashed"] is None and witness["closed_by_server"] is None
     assert witness["answers"] >= 1
     # the floods: each abusive client is cut off by its budget (or as a slow reader of its own errors), the
