@@ -197,16 +197,9 @@ class AudioApi:
         except ApiError as e:
             self.count("speech", e.outcome)
             return e.reply()
-        try:
-            text, voice_pcm, fmt, speed = _speech_fields(await _body(req), self.ctx.voices, self.cfg.max_input_chars)
-        except ApiError as e:
-            slot.release(e.outcome)
-            return e.reply()
-        except BaseException as e:
-            slot.release("client_gone" if isinstance(e, asyncio.CancelledError) else "error")
-            raise
         encoder = None
         try:
+            text, voice_pcm, fmt, speed = _speech_fields(await _body(req), self.ctx.voices, self.cfg.max_input_chars)
             await self._check_speech_tokens(text, voice_pcm is not None)
             encoder = SpeechEncoder(fmt, speed)
             options = SpeechOptions(speaker_prompt_pcm=voice_pcm, max_ms=1000.0 * self.cfg.max_speech_s)

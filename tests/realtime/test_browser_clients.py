@@ -226,17 +226,22 @@ def assert_clean(tab: Tab, state: dict) -> None:
     assert not [r for r in tab.sent() if TOKEN in r], "the page sent the server token"
 
 
+def start_session(chromium, page_origin, transport: str, url: str, key: str) -> dict:
+    """The test page (on its own origin) starts the SDK's session over `transport` with only `key`; its state once connected."""
+    open_page(chromium, page_origin)
+    chromium.page.evaluate("(o) => { window.startSession(o); }", {"transport": transport, "url": url, "key": key})
+    s = chromium.wait("a.status !== 'connecting'", 20_000)
+    assert s["status"] == "connected", (s, chromium.problems)
+    return s
+
+
 def test_agents_sdk_in_chromium_over_webrtc_from_another_origin_with_an_ephemeral_key(gateway, page_origin, chromium):
     """The SDK's browser default (`OpenAIRealtimeWebRTC`) with `ek_`: a spoken turn answered with audio heard
     on the remote track; the call's id (the answer's Location header, readable across origins) lets the
     app's backend hang up, which ends the session."""
     base = f"http://127.0.0.1:{gateway.port}"
     key = mint(base)
-    open_page(chromium, page_origin)
-    chromium.page.evaluate("(o) => { window.startSession(o); }",
-                           {"transport": "webrtc", "url": f"{base}/v1/realtime/calls", "key": key})
-    s = chromium.wait("a.status !== 'connecting'", 20_000)
-    assert s["status"] == "connected", (s, chromium.problems)
+    s = start_session(chromium, page_origin, "webrtc", f"{base}/v1/realtime/calls", key)
     assert s["sessionCreated"]["instructions"] == KEY_INSTRUCTIONS  # the key's session config, applied
     s = chromium.wait("a.events.some(([t, st]) => t === 'response.done' && st === 'completed')")
     # heard: the remote track's decoded audio has energy (Chromium plays it into the page's <audio>); the
@@ -261,13 +266,8 @@ def test_agents_sdk_in_chromium_over_the_browser_websocket_with_an_ephemeral_key
     else Chromium fails the connection); the page streams the microphone as pcm16: a spoken turn answered
     with non-silent audio."""
     assert wait_sessions(gateway, 0) == 0
-    base = f"http://127.0.0.1:{gateway.port}"
-    key = mint(base)
-    open_page(chromium, page_origin)
-    chromium.page.evaluate("(o) => { window.startSession(o); }",
-                           {"transport": "websocket", "url": f"ws://127.0.0.1:{gateway.port}/v1/realtime", "key": key})
-    s = chromium.wait("a.status !== 'connecting'", 20_000)
-    assert s["status"] == "connected", (s, chromium.problems)
+    key = mint(f"http://127.0.0.1:{gateway.port}")
+    s = start_session(chromium, page_origin, "websocket", f"ws://127.0.0.1:{gateway.port}/v1/realtime", key)
     s = chromium.wait("a.sessionCreated !== null", 10_000)  # (this transport's connect() ends at the socket's open)
     assert s["wsProtocol"] == "realtime"  # of `realtime, openai-insecure-api-key.<key>, openai-agents-sdk.<version>`
     assert s["sessionCreated"]["instructions"] == KEY_INSTRUCTIONS

@@ -9,7 +9,6 @@ carries the gateway and its witness session."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import re
@@ -20,12 +19,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import numpy as np
 import websockets
 from fake_engine import FakeEngine, fake_transcript
 from rt_helpers import fake_gateway
 from test_audio_api import run, tone, wav_file
-from test_upload_bombs import PeakRss, _gaps
+from test_upload_bombs import AnswerWitness, PeakRss, _gaps
 
 from realtime.transports.audio_api import MAX_FORM_FIELDS
 
@@ -464,29 +462,9 @@ def test_a_live_session_keeps_its_audio_pace_beside_a_flood_of_requests():
     async def main():
         engine = FakeEngine(answer_ms=12_000, chunk_ms=40, oneshot_step_s=0)
         async with gateway(engine, {"vad": {"enabled": False}}) as gw:
-            ws = await websockets.connect(f"ws://127.0.0.1:{gw.port}/v1/realtime", additional_headers={"Authorization": f"Bearer {TOKEN}"})
-            assert json.loads(await ws.recv())["type"] == "session.created"
+            witness = await AnswerWitness.connect(gw.port, TOKEN)
             assert (await exchange(gw.port, speech_head(), SPEECH)).status == 200  # the endpoint's lazy imports, before the answer
-            audio = base64.b64encode(np.zeros(4800, "<i2").tobytes()).decode()
-            for event in ({"type": "input_audio_buffer.append", "audio": audio}, {"type": "input_audio_buffer.commit"},
-                          {"type": "response.create"}):
-                await ws.send(json.dumps(event))
-            deltas: list[float] = []
-            first = asyncio.Event()
-
-            async def listen() -> str:
-                async for message in ws:
-                    ev = json.loads(message)
-                    if ev["type"] == "response.output_audio.delta":
-                        deltas.append(time.monotonic())
-                        first.set()
-                    elif ev["type"] == "response.done":
-                        return ev["response"]["status"]
-                return "closed"
-
-            listener = asyncio.create_task(listen())
-            await first.wait()
-            await asyncio.sleep(0.5)
+            deltas = await witness.answer()
             windows: list[tuple[float, float]] = []
             floods: list[Counter] = []
             for _ in range(3):
@@ -496,8 +474,7 @@ def test_a_live_session_keeps_its_audio_pace_beside_a_flood_of_requests():
                 windows.append((started, time.monotonic()))
                 if max(_gaps(deltas, *windows[-1])) < 0.100:
                     break
-            status = await listener
-            await ws.close()
+            status = await witness.end()
             assert status == "completed" and deltas[-1] > windows[-1][1], "the floods must all have run while the answer streamed"
             for counts in floods:
                 # every request answered (200, or 429 for the client's rate or the endpoint's concurrency): no other

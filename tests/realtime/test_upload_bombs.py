@@ -213,30 +213,10 @@ def test_a_live_session_keeps_its_audio_pace_beside_hostile_uploads(monkeypatch)
     async def main():
         engine = FakeEngine(answer_ms=6000, chunk_ms=40, oneshot_step_s=0)
         async with gateway(engine, {"vad": {"enabled": False}}) as gw, httpx.AsyncClient(timeout=60) as client:
-            ws = await websockets.connect(f"ws://127.0.0.1:{gw.port}/v1/realtime", additional_headers={"Authorization": f"Bearer {TOKEN}"})
-            assert json.loads(await ws.recv())["type"] == "session.created"
+            witness = await AnswerWitness.connect(gw.port, TOKEN)
             # the client's and the endpoint's first request (lazy imports on both sides) before the answer
             assert (await upload(client, gw.port, encoded("flac", "flac", tone(440, 1.0, 16_000), 16_000)))[0] == 200
-            audio = base64.b64encode(np.zeros(4800, "<i2").tobytes()).decode()
-            for event in ({"type": "input_audio_buffer.append", "audio": audio}, {"type": "input_audio_buffer.commit"},
-                          {"type": "response.create"}):
-                await ws.send(json.dumps(event))
-            deltas: list[float] = []
-            first = asyncio.Event()
-
-            async def listen() -> str:
-                async for message in ws:
-                    ev = json.loads(message)
-                    if ev["type"] == "response.output_audio.delta":
-                        deltas.append(time.monotonic())
-                        first.set()
-                    elif ev["type"] == "response.done":
-                        return ev["response"]["status"]
-                return "closed"
-
-            listener = asyncio.create_task(listen())
-            await first.wait()
-            await asyncio.sleep(0.5)
+            deltas = await witness.answer()
             windows: list[tuple[float, float]] = []
             for _ in range(3):
                 started = time.monotonic()
@@ -247,14 +227,57 @@ def test_a_live_session_keeps_its_audio_pace_beside_hostile_uploads(monkeypatch)
                 windows.append((started, time.monotonic()))
                 if max(_gaps(deltas, *windows[-1])) < 0.100:
                     break
-            status = await listener
-            await ws.close()
+            status = await witness.end()
             assert status == "completed" and deltas[-1] > windows[-1][1], "the uploads must all have run while the answer streamed"
             largest = [round(1000 * max(_gaps(deltas, *w))) for w in windows]
             assert min(largest) < 100, f"largest gap in each window: {largest} ms"
             assert threads == {"upload-decoder"}, threads
 
     run(main, 120)
+
+
+class AnswerWitness:
+    """A live session whose answer streams while an attack runs: when each of its audio deltas arrived."""
+
+    def __init__(self, ws: websockets.ClientConnection) -> None:
+        self.ws = ws
+        self.deltas: list[float] = []
+        self._first = asyncio.Event()
+        self._listener: asyncio.Task[str] | None = None
+
+    @classmethod
+    async def connect(cls, port: int, token: str) -> AnswerWitness:
+        ws = await websockets.connect(f"ws://127.0.0.1:{port}/v1/realtime", additional_headers={"Authorization": f"Bearer {token}"})
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        return cls(ws)
+
+    async def answer(self) -> list[float]:
+        """Ask for an answer (the fake engine's is long), wait until it streams; the deltas' arrival times."""
+        audio = base64.b64encode(np.zeros(4800, "<i2").tobytes()).decode()
+        for event in ({"type": "input_audio_buffer.append", "audio": audio}, {"type": "input_audio_buffer.commit"},
+                      {"type": "response.create"}):
+            await self.ws.send(json.dumps(event))
+        self._listener = asyncio.create_task(self._listen())
+        await self._first.wait()
+        await asyncio.sleep(0.5)
+        return self.deltas
+
+    async def end(self) -> str:
+        """The answer's final status, once it is done; the session closed."""
+        assert self._listener is not None
+        status = await self._listener
+        await self.ws.close()
+        return status
+
+    async def _listen(self) -> str:
+        async for message in self.ws:
+            ev = json.loads(message)
+            if ev["type"] == "response.output_audio.delta":
+                self.deltas.append(time.monotonic())
+                self._first.set()
+            elif ev["type"] == "response.done":
+                return ev["response"]["status"]
+        return "closed"
 
 
 def _gaps(deltas: list[float], t0: float, t1: float) -> list[float]:
