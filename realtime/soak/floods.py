@@ -202,9 +202,12 @@ class Witness:
     def window(self, t0: float, t1: float) -> dict:
         rtt = [ms for t, ms in self.rtt if t0 <= t < t1]
         gaps = [ms for t, ms in self.gaps if t0 <= t < t1]
-        return {"rtt_p50_ms": _pct(rtt, 50), "rtt_p99_ms": _pct(rtt, 99), "probes": len(rtt),
-                "gap_max_ms": round(max(gaps), 1) if gaps else None, "gaps_over_100ms": sum(g > GAP_LIMIT_MS for g in gaps),
-                "deltas": len(gaps)}
+        # where a long gap ended, in seconds into the window, beside the loop's worst round trip: a gap with
+        # no slow round trip is audio late from further down than the event loop
+        late = [round(t - t0, 2) for t, ms in self.gaps if t0 <= t < t1 and ms > GAP_LIMIT_MS]
+        return {"rtt_p50_ms": _pct(rtt, 50), "rtt_p99_ms": _pct(rtt, 99), "rtt_max_ms": round(max(rtt), 1) if rtt else None,
+                "probes": len(rtt), "gap_max_ms": round(max(gaps), 1) if gaps else None,
+                "gaps_over_100ms": len(late), "gaps_over_100ms_at_s": late, "deltas": len(gaps)}
 
 
 def _pct(values: list[float], q: float) -> float | None:
