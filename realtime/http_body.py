@@ -14,6 +14,7 @@ import asyncio
 from http import HTTPStatus
 
 from aiohttp import BodyPartReader, MultipartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from realtime.http import HttpError
 
@@ -67,12 +68,9 @@ class RequestBody:
             raise self._too_slow() from None
         except HttpError:
             raise
-        except (ValueError, AssertionError, RuntimeError, web.HTTPException) as e:  # aiohttp's parser: a malformed form
+        except (ValueError, AssertionError, RuntimeError, HttpProcessingError, web.HTTPException) as e:
+            # how aiohttp's parser refuses a malformed form (a part's headers too many or too long: HttpProcessingError)
             raise HttpError(HTTPStatus.BAD_REQUEST, "invalid_request", f"the form could not be read: {e}") from None
-        except Exception as e:  # BadHttpMessage, LineTooLong (aiohttp.http_exceptions)
-            if type(e).__module__.startswith("aiohttp"):
-                raise HttpError(HTTPStatus.BAD_REQUEST, "invalid_request", f"the form could not be read: {e}") from None
-            raise
         return fields
 
     async def _start(self) -> None:

@@ -41,12 +41,12 @@ from realtime.web_socket import ServerWebSocket
 
 log = logging.getLogger("duplex.http")
 
-SUBPROTOCOL = "realtime"
+SUBPROTOCOL = "realtime"  # what a browser WebSocket offers beside its key; the one we select
 # A WebSocket's socket is read this much at a time (asyncio's default: 256 KiB). aiohttp parses a whole
 # read at once, and a flood of tiny frames (the soak's empty_opus: 1-byte messages as fast as a client
 # can send) then took the loop's round trip p99 from 4 ms to 43 ms; with 16 KiB reads, 6 ms. A large
 # append costs a few more reads.
-WS_READ_BYTES = 16 * 1024  # what a browser WebSocket offers beside its key; the one we select
+WS_READ_BYTES = 16 * 1024
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="duplex"'}
 
 
