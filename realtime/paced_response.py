@@ -8,13 +8,13 @@ along `RESPONSE_TRANSITIONS`.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.service_api import SAMPLE_RATE_HZ as RATE_HZ
 
+from realtime.sample_queue import SampleQueue
 from realtime.session_events import ResponseAudio, ResponseDone, ResponseStatus
 from realtime.turn import IllegalTransition
 from realtime.user_transcript import UserTranscriptRelay
@@ -36,8 +36,7 @@ class PacedResponse:
     item_id: str
     epoch: int
     status: ResponseStatus = ResponseStatus.IN_PROGRESS  # moved only by `advance`
-    pending: deque[np.ndarray] = field(default_factory=deque)  # int16 arrays from the engine, not yet released
-    pending_samples: int = 0
+    pending: SampleQueue = field(default_factory=SampleQueue)  # the engine's int16 audio, not yet released
     sent_samples: int = 0
     acked_ms: float | None = None  # client playback acknowledgement (output_audio_buffer.played)
     transcript: str = ""
@@ -58,7 +57,6 @@ class PacedResponse:
         self.status = status
         if status.finished:
             self.pending.clear()
-            self.pending_samples = 0
 
     @property
     def sent_ms(self) -> float:
@@ -66,25 +64,12 @@ class PacedResponse:
 
     def buffer(self, pcm: np.ndarray, max_ms: float) -> None:
         """Engine audio waiting for the pacer; beyond `max_ms` of it, the excess is dropped."""
-        room = max(0, int(max_ms * RATE_HZ / 1000) - self.pending_samples)
-        if pcm.size > room:
-            pcm = pcm[:room]
-        self.pending.append(pcm)
-        self.pending_samples += pcm.size
+        room = max(0, int(max_ms * RATE_HZ / 1000) - self.pending.samples)
+        self.pending.append(pcm[:room])
 
     def release(self, n: int, now: float) -> ResponseAudio:
-        """The next `n` samples waiting (at most `pending_samples`) as the frame that goes out now."""
-        parts, got = [], 0
-        while got < n:
-            head = self.pending[0]
-            part = min(n - got, head.size)
-            parts.append(head[:part])
-            if part == head.size:
-                self.pending.popleft()
-            else:
-                self.pending[0] = head[part:]
-            got += part
-        self.pending_samples -= n
+        """The next `n` samples waiting (at most `pending.samples`) as the frame that goes out now."""
+        parts = self.pending.take(n)
         first = self.first_audio_time is None
         if first:
             self.first_audio_time = now

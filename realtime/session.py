@@ -485,8 +485,8 @@ class Session:
             return None
         frame = RATE_HZ * self.limits.output_frame_ms // 1000
         while self._pacer.due(now) <= now:
-            if r.pending_samples >= frame or (r.status is ResponseStatus.GENERATED and r.pending_samples):
-                self._release(r, min(frame, r.pending_samples), now)
+            if r.pending.samples >= frame or (r.status is ResponseStatus.GENERATED and r.pending.samples):
+                self._release(r, min(frame, r.pending.samples), now)
             elif r.status is ResponseStatus.GENERATED:
                 self._finish(r, ResponseStatus.COMPLETED, None, played_ms=r.sent_ms)
                 return None

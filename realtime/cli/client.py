@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from realtime.sample_queue import SampleQueue
+
 if TYPE_CHECKING:
     from realtime.client import AudioSink, DuplexClient
 
@@ -274,14 +276,12 @@ class DeviceSink:
 
     def __init__(self, rate_hz: int) -> None:
         import threading
-        from collections import deque
 
         import sounddevice as sd
 
         self.rate_hz = rate_hz
         self._lock = threading.Lock()
-        self._queue: deque[np.ndarray] = deque()
-        self._queued = 0
+        self._queue = SampleQueue()
         self._played = 0
         self._stream = sd.OutputStream(samplerate=rate_hz, channels=1, dtype="int16", callback=self._pull)
         self._stream.start()
@@ -291,34 +291,25 @@ class DeviceSink:
         out[:] = 0
         n = 0
         with self._lock:
-            while n < frames and self._queue:
-                head = self._queue[0]
-                take = min(frames - n, head.size)
-                out[n : n + take] = head[:take]
-                if take == head.size:
-                    self._queue.popleft()
-                else:
-                    self._queue[0] = head[take:]
-                n += take
-            self._queued -= n
+            for part in self._queue.take(frames):
+                out[n : n + part.size] = part
+                n += part.size
             self._played += n
 
     async def write(self, pcm: np.ndarray) -> None:
         with self._lock:
             self._queue.append(np.asarray(pcm, np.int16))
-            self._queued += pcm.size
 
     def played_samples(self) -> int:
         return self._played
 
     def queued_samples(self) -> int:
-        return self._queued
+        return self._queue.samples
 
     def clear(self) -> None:
         with self._lock:
             self._queue.clear()
-            self._queued = 0
 
     async def drain(self) -> None:
-        while self._queued > 0:
+        while self._queue.samples > 0:
             await asyncio.sleep(0.05)

@@ -113,3 +113,19 @@ def test_parse_wire_format(value, expected):
 def test_parse_wire_format_rejects(value):
     with pytest.raises(ValueError):
         A.parse_wire_format(value)
+
+
+def test_sample_queue_takes_across_chunks_and_counts_what_waits():
+    from realtime.sample_queue import SampleQueue
+
+    q = SampleQueue()
+    q.append(np.arange(5, dtype=np.int16))
+    q.append(np.zeros(0, np.int16))  # an empty chunk is no chunk
+    q.append(np.arange(10, 13, dtype=np.int16))
+    assert q.samples == 8
+    assert np.concatenate(q.take(6)).tolist() == [0, 1, 2, 3, 4, 10] and q.samples == 2
+    assert np.concatenate(q.take(6)).tolist() == [11, 12] and q.samples == 0  # fewer than asked: what waits
+    assert q.take(1) == []
+    q.append(np.ones(3, np.int16))
+    q.clear()
+    assert q.samples == 0 and q.take(3) == []

@@ -120,7 +120,7 @@ def test_a_response_moves_only_along_its_table():
     r.buffer(np.ones(160, np.int16), max_ms=1000.0)
     r.advance(ResponseStatus.GENERATED)
     r.advance(ResponseStatus.CANCELLED)
-    assert r.pending_samples == 0 and not r.pending  # a finished response keeps no audio to send
+    assert r.pending.samples == 0 and r.pending.take(1) == []  # a finished response keeps no audio to send
     for status in ResponseStatus:
         with pytest.raises(IllegalTransition):
             r.advance(status)  # finished: it never moves again
