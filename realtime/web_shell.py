@@ -172,16 +172,12 @@ class WebShell:
         """`path`: as the route was registered (`/v1/realtime/calls/{call_id}/hangup`), so the metric's labels stay few."""
         known = ws_route is not None or http_route is not None or path == "/metrics"
         self.metrics.auth_failures.labels(path if known else "other").inc()
-        if ws_route or http_route:
+        if http_route is not None and http_route.on_refused is not None:
+            http_route.on_refused(HTTPStatus.UNAUTHORIZED)
+        if ws_route or http_route:  # an API client reads an OpenAI-shaped error
             self.metrics.sessions_refused.labels("unauthorized").inc()
-        if http_route is not None:  # an API client reads an OpenAI-shaped error
-            if http_route.on_refused is not None:
-                http_route.on_refused(HTTPStatus.UNAUTHORIZED)
             return _response(json_error(HTTPStatus.UNAUTHORIZED, "invalid_api_key", "missing, invalid or expired credential",
                                         {**CHALLENGE, **cors}))
-        if ws_route is not None:
-            return _response(json_error(HTTPStatus.UNAUTHORIZED, "invalid_api_key", "missing, invalid or expired credential",
-                                        CHALLENGE))
         return _response(HttpReply(HTTPStatus.UNAUTHORIZED, "missing or invalid token\n", headers=CHALLENGE))
 
     # ---- HTTP routes ----

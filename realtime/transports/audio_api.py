@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import TypeVar
 
@@ -129,7 +129,7 @@ class AudioApi:
             self.count("transcriptions", e.outcome)
             return e.reply()
         try:
-            form = await _form(req)
+            form = await _read(req.form(MAX_FORM_FIELDS))
             options, fmt, stream = _transcription_fields(form)
             audio = await _decode(form["file"], _upload_limits(self.cfg))
             deltas, first = await _start(lambda: self.engine.transcribe(audio.pcm, options), self.ctx.config.limits.retry_after_s)
@@ -199,7 +199,7 @@ class AudioApi:
             return e.reply()
         encoder = None
         try:
-            text, voice_pcm, fmt, speed = _speech_fields(await _body(req), self.ctx.voices, self.cfg.max_input_chars)
+            text, voice_pcm, fmt, speed = _speech_fields(await _read(req.read()), self.ctx.voices, self.cfg.max_input_chars)
             await self._check_speech_tokens(text, voice_pcm is not None)
             encoder = SpeechEncoder(fmt, speed)
             options = SpeechOptions(speaker_prompt_pcm=voice_pcm, max_ms=1000.0 * self.cfg.max_speech_s)
@@ -281,17 +281,11 @@ def _content_type(req: HttpRequest, expected: str, what: str) -> None:
                        f"the body must be {what}, sent as {expected}; got {ctype.encode(errors='surrogateescape').decode(errors='replace') or 'no Content-Type'}")
 
 
-async def _form(req: HttpRequest) -> dict[str, bytes]:
-    """The upload's form, read only now that the request holds a slot (read within the route's limits)."""
+async def _read(reading: Awaitable[T]) -> T:
+    """The request's body or form, read only once the request holds a slot (within the route's limits);
+    a refusal while reading (413, 408, a malformed form) counted with its outcome like the others."""
     try:
-        return await req.form(MAX_FORM_FIELDS)
-    except HttpError as e:
-        raise ApiError(e.status, e.code, e.message, e.param, outcome=_REFUSAL_OUTCOMES.get(e.status, "bad_request")) from None
-
-
-async def _body(req: HttpRequest) -> bytes:
-    try:
-        return await req.read()
+        return await reading
     except HttpError as e:
         raise ApiError(e.status, e.code, e.message, e.param, outcome=_REFUSAL_OUTCOMES.get(e.status, "bad_request")) from None
 

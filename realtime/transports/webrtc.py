@@ -255,11 +255,15 @@ class WebRtcCalls:
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
-        self.peers: set[RTCPeerConnection] = set()  # live peer connections (exported in /metrics)
-        self.links: dict[str, DataChannelLink] = {}  # call id (the session's) -> its data channel, for hangup
+        self.links: dict[str, DataChannelLink] = {}  # call id (the session's) -> its data channel (and peer connection)
+
+    @property
+    def peers(self) -> list[RTCPeerConnection]:
+        """The live peer connections, one per call (exported in /metrics)."""
+        return [link.pc for link in self.links.values()]
 
     async def close_all(self) -> None:
-        for pc in list(self.peers):
+        for pc in self.peers:
             await pc.close()
 
     async def hangup(self, req: HttpRequest) -> HttpReply:
@@ -316,7 +320,6 @@ class WebRtcCalls:
             return json_error(HTTPStatus.SERVICE_UNAVAILABLE, AtCapacity.code, f"{e}; try again in {e.retry_after_s:g} s",
                               {"Retry-After": str(max(1, round(e.retry_after_s)))})
         session_id = runner.id
-        self.peers.add(pc)
         self.links[session_id] = link
         inputs: list[asyncio.Task] = []
         mic = MicCounts()
@@ -344,7 +347,6 @@ class WebRtcCalls:
         except Exception as e:  # a malformed or unsupported offer
             log.info("session %s: bad offer: %s", session_id, e)
             await pc.close()
-            self.peers.discard(pc)
             self.links.pop(session_id, None)
             await admission.abandon(runner)
             return json_error(HTTPStatus.BAD_REQUEST, "invalid_offer", f"the SDP offer could not be used: {e}")
@@ -362,7 +364,6 @@ class WebRtcCalls:
                     t.cancel()
                 track.stop()
                 await pc.close()
-                self.peers.discard(pc)
                 self.links.pop(session_id, None)
                 await mic.account(runner, self.ctx.metrics)
 
